@@ -1,0 +1,149 @@
+"""One exception tree for the whole package.
+
+Errors are raised where the failure happens, carry what was seen and what to do
+next, and are rendered once, at the command-line boundary
+(:mod:`torchpass_slurm.cli.app`), which maps them to exit codes.
+
+::
+
+    TorchpassError                 exit 1
+    ├── ConfigError                exit 2   bad flag value, bad config file
+    ├── HostlistError              exit 2   malformed Slurm hostlist
+    └── SlurmError                 exit 3   anything that went wrong talking to Slurm
+        ├── SlurmCommandError               a command exited non-zero (argv, code, stderr)
+        │   └── SlurmTimeoutError           a command ran past its timeout
+        ├── SlurmNotFoundError              the command is not installed / not on PATH
+        └── SlurmParseError                 output that does not parse as expected
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "TorchpassError",
+    "ConfigError",
+    "HostlistError",
+    "SlurmError",
+    "SlurmCommandError",
+    "SlurmTimeoutError",
+    "SlurmNotFoundError",
+    "SlurmParseError",
+]
+
+
+class TorchpassError(Exception):
+    """Base of every error this package raises on purpose.
+
+    ``message`` says what was seen and what was expected; ``hint`` (optional)
+    says what the user can do next. ``exit_code`` is what the CLI exits with.
+    """
+
+    exit_code: int = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        if self.hint:
+            return f"{self.message}\n  hint: {self.hint}"
+        return self.message
+
+
+class ConfigError(TorchpassError):
+    """A setting (flag, environment variable, config file) has a bad value."""
+
+    exit_code = 2
+
+
+class HostlistError(TorchpassError):
+    """A Slurm hostlist expression could not be expanded or compressed."""
+
+    exit_code = 2
+
+
+class SlurmError(TorchpassError):
+    """Something went wrong while talking to Slurm."""
+
+    exit_code = 3
+
+
+def _quote_argv(argv: Sequence[str]) -> str:
+    import shlex
+
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+class SlurmCommandError(SlurmError):
+    """A Slurm command exited with a non-zero status.
+
+    Carries the full ``argv``, the ``returncode`` and the command's ``stderr``
+    exactly as Slurm wrote it, so that the user sees Slurm's own words.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        returncode: int | None,
+        stderr: str,
+        *,
+        stdout: str = "",
+        hint: str | None = None,
+        message: str | None = None,
+    ) -> None:
+        self.argv = tuple(argv)
+        self.returncode = returncode
+        self.stderr = stderr
+        self.stdout = stdout
+        if message is None:
+            said = stderr.strip() or "(nothing on stderr)"
+            message = f"`{_quote_argv(argv)}` exited with status {returncode}: {said}"
+        super().__init__(message, hint=hint)
+
+
+class SlurmTimeoutError(SlurmCommandError):
+    """A Slurm command did not finish within its timeout (``returncode`` is None)."""
+
+    def __init__(
+        self, argv: Sequence[str], timeout: float, stderr: str = "", *, hint: str | None = None
+    ) -> None:
+        self.timeout = timeout
+        super().__init__(
+            argv,
+            None,
+            stderr,
+            hint=hint
+            or "slurmctld may be overloaded or unreachable; check `scontrol ping` and retry, "
+            "or raise the timeout (TORCHPASS_SLURM_TIMEOUT).",
+            message=f"`{_quote_argv(argv)}` did not finish within {timeout:g} s",
+        )
+
+
+class SlurmNotFoundError(SlurmError):
+    """A Slurm command is not installed or not on ``PATH``."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+        super().__init__(
+            f"the Slurm command `{command}` was not found on PATH",
+            hint="run this on a Slurm login or compute node, or add Slurm's bin directory to PATH.",
+        )
+
+
+class SlurmParseError(SlurmError):
+    """Slurm's output did not have the expected form."""
+
+    def __init__(self, what: str, detail: str, *, excerpt: str = "") -> None:
+        self.what = what
+        self.detail = detail
+        self.excerpt = excerpt[:200]
+        msg = f"could not parse {what}: {detail}"
+        if self.excerpt:
+            msg += f" (output began: {self.excerpt!r})"
+        super().__init__(
+            msg,
+            hint="this Slurm version may print a schema torchpass-slurm does not know yet; "
+            "please report it with the output of `sinfo --version`.",
+        )
