@@ -9,6 +9,10 @@ next, and are rendered once, at the command-line boundary
     TorchpassError                 exit 1
     ├── ConfigError                exit 2   bad flag value, bad config file
     ├── HostlistError              exit 2   malformed Slurm hostlist
+    ├── SubmitError                exit 2   tp-submit refused the job; nothing was submitted
+    ├── ControlPlaneError          exit 4   the supervisor/worker control plane failed
+    │   └── AuthenticationError             a message failed its HMAC or replay check
+    ├── CheckpointError            exit 5   a checkpoint could not be written or read
     └── SlurmError                 exit 3   anything that went wrong talking to Slurm
         ├── SlurmCommandError               a command exited non-zero (argv, code, stderr)
         │   └── SlurmTimeoutError           a command ran past its timeout
@@ -24,6 +28,10 @@ __all__ = [
     "TorchpassError",
     "ConfigError",
     "HostlistError",
+    "SubmitError",
+    "ControlPlaneError",
+    "AuthenticationError",
+    "CheckpointError",
     "SlurmError",
     "SlurmCommandError",
     "SlurmTimeoutError",
@@ -62,6 +70,28 @@ class HostlistError(TorchpassError):
     """A Slurm hostlist expression could not be expanded or compressed."""
 
     exit_code = 2
+
+
+class SubmitError(TorchpassError):
+    """tp-submit refused a job before submitting anything."""
+
+    exit_code = 2
+
+
+class ControlPlaneError(TorchpassError):
+    """The authenticated control plane between supervisor and workers failed."""
+
+    exit_code = 4
+
+
+class AuthenticationError(ControlPlaneError):
+    """A control message failed authentication (bad HMAC, replay, unknown sender)."""
+
+
+class CheckpointError(TorchpassError):
+    """A checkpoint could not be saved or loaded."""
+
+    exit_code = 5
 
 
 class SlurmError(TorchpassError):
