@@ -1,0 +1,87 @@
+"""Settings: environment variable names, defaults and timeouts, in one place.
+
+Precedence everywhere: command line > environment > config file > default.
+Every wait in the package has a timeout defined here, named and documented.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from torchpass_slurm.errors import ConfigError
+
+# --- environment variables that cross process boundaries ---------------------
+# (see docs/design/runtime-contract.md)
+ENV_RUN_DIR = "TORCHPASS_RUN_DIR"
+ENV_SECRET_FILE = "TORCHPASS_SECRET_FILE"
+ENV_NODES = "TORCHPASS_NODES"
+ENV_SPARES = "TORCHPASS_SPARES"
+ENV_NTASKS_PER_NODE = "TORCHPASS_NTASKS_PER_NODE"
+ENV_JOB_ID = "TORCHPASS_JOB_ID"
+ENV_CONTROL = "TORCHPASS_CONTROL"
+ENV_NODE = "TORCHPASS_NODE"
+ENV_ROLE = "TORCHPASS_ROLE"
+ENV_EPOCH = "TORCHPASS_EPOCH"
+ENV_RANK_BASE = "TORCHPASS_RANK_BASE"
+
+#: Timeout of one Slurm command, seconds (env TORCHPASS_SLURM_TIMEOUT).
+ENV_SLURM_TIMEOUT = "TORCHPASS_SLURM_TIMEOUT"
+DEFAULT_SLURM_TIMEOUT_S = 30.0
+
+
+def env_float(name: str, default: float, *, minimum: float = 0.0) -> float:
+    """A float setting from the environment, with a clear error on bad values."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number", hint=f"unset it or give seconds, e.g. {default:g}") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={raw!r} is below the minimum {minimum:g}")
+    return value
+
+
+def env_int(name: str, default: int | None = None, *, minimum: int = 0) -> int:
+    """An integer setting from the environment; ``default`` None makes it required."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise ConfigError(f"the environment variable {name} is not set",
+                              hint="run this under tp-submit / tp run, which set it")
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={raw!r} is below the minimum {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    """Timing of the supervisor (tp run). All values in seconds."""
+
+    #: Interval between worker heartbeats.
+    heartbeat_interval: float = 2.0
+    #: A worker with no heartbeat for this long is declared lost.
+    heartbeat_timeout: float = 20.0
+    #: Interval between polls of Slurm for the job's node states (never a tight loop).
+    slurm_poll_interval: float = 5.0
+    #: How long a started step may take to say hello before it counts as failed.
+    startup_timeout: float = 300.0
+    #: How long stopping a step may take before it is killed.
+    stop_timeout: float = 15.0
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, float]) -> SupervisorConfig:
+        """Build from a mapping; unknown keys are errors that list the valid ones."""
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - valid)
+        if unknown:
+            raise ConfigError(f"unknown supervisor setting(s): {', '.join(unknown)}",
+                              hint=f"valid settings: {', '.join(sorted(valid))}")
+        return cls(**{k: float(v) for k, v in values.items()})
