@@ -1,0 +1,406 @@
+"""Control-plane messages: kinds, bodies, and their authenticated wire form.
+
+A message travels as three ZeroMQ frames::
+
+    frame 0  b"tp1"                       protocol version
+    frame 1  canonical JSON of {body, kind, sender, seq, ts}
+    frame 2  HMAC-SHA256(secret, DOMAIN + frame 0 + b"\\0" + frame 1)   (32 raw bytes)
+
+"Canonical" means ``json.dumps(..., sort_keys=True, separators=(",", ":"),
+ensure_ascii=True, allow_nan=False)``: one object, one byte string. The
+receiver checks the MAC over the bytes it received *before* it parses them, so
+an unauthenticated peer never gets its bytes interpreted beyond their length.
+Nothing is ever unpickled.
+
+:func:`decode` rejects, in this order:
+
+=====================================  ==========================  ==========================
+what                                   raised                      why
+=====================================  ==========================  ==========================
+wrong frame count / version / sizes    ControlPlaneError           malformed
+MAC does not verify                    AuthenticationError         forged or wrong secret
+not JSON / wrong field types           ControlPlaneError           malformed (but authentic)
+unknown kind, kind not allowed here    ControlPlaneError           version skew / misuse
+body misses a field / wrong type       ControlPlaneError           version skew / bug
+timestamp outside the skew window      AuthenticationError         stale: possible replay
+seq not above the sender's last one    AuthenticationError         replay
+=====================================  ==========================  ==========================
+
+Error messages say what was wrong; they never include the secret or a MAC.
+See ``docs/protocol.md`` for the protocol as a whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchpass_slurm.errors import AuthenticationError, ControlPlaneError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "HELLO",
+    "HEARTBEAT",
+    "STANDBY",
+    "BYE",
+    "PROMOTE",
+    "STOP",
+    "ACK",
+    "WORKER_KINDS",
+    "SUPERVISOR_KINDS",
+    "ALL_KINDS",
+    "BODY_SCHEMAS",
+    "PROTOCOL_VERSION",
+    "MAX_FRAME_BYTES",
+    "DEFAULT_MAX_SKEW_S",
+    "MAC_BYTES",
+    "Message",
+    "ReplayGuard",
+    "Receiver",
+    "SequenceCounter",
+    "encode",
+    "decode",
+]
+
+# --- kinds --------------------------------------------------------------------
+# worker -> supervisor
+HELLO = "hello"
+HEARTBEAT = "heartbeat"
+STANDBY = "standby"
+BYE = "bye"
+# supervisor -> worker
+PROMOTE = "promote"
+STOP = "stop"
+# both ways: acknowledges the message with sequence number body["seq"]
+ACK = "ack"
+
+#: Kinds a worker may send (the supervisor accepts only these).
+WORKER_KINDS: frozenset[str] = frozenset({HELLO, HEARTBEAT, STANDBY, BYE, ACK})
+#: Kinds the supervisor may send (a worker accepts only these).
+SUPERVISOR_KINDS: frozenset[str] = frozenset({PROMOTE, STOP, ACK})
+ALL_KINDS: frozenset[str] = WORKER_KINDS | SUPERVISOR_KINDS
+
+# --- limits -------------------------------------------------------------------
+PROTOCOL_VERSION = b"tp1"
+#: Largest payload frame accepted (bytes). Control messages are small; a state
+#: transfer never goes over the control plane.
+MAX_FRAME_BYTES = 64 * 1024
+#: Largest ``sender`` name accepted (characters).
+MAX_SENDER_CHARS = 256
+#: Default allowed difference between a message's timestamp and the receiver's
+#: clock (seconds). Cluster clocks are NTP-synchronised to well under a second;
+#: the window only has to cover skew plus queueing delay.
+DEFAULT_MAX_SKEW_S = 30.0
+MAC_BYTES = hashlib.sha256().digest_size
+#: Prefix of every MAC input: a key used here cannot be confused with any other use.
+_MAC_DOMAIN = b"torchpass-slurm control plane\0"
+
+# --- bodies -------------------------------------------------------------------
+_INT = (int,)
+_OPT_INT = (int, type(None))
+_STR = (str,)
+
+#: Required body fields of each kind and their allowed JSON types. Extra
+#: fields are allowed (a newer peer may send more); missing or mistyped
+#: required fields are errors.
+BODY_SCHEMAS: Mapping[str, Mapping[str, tuple[type, ...]]] = {
+    HELLO: {"node": _STR, "rank": _OPT_INT, "local_rank": _INT, "role": _STR, "pid": _INT},
+    HEARTBEAT: {"rank": _OPT_INT, "step": _OPT_INT, "state": _STR},
+    STANDBY: {"node": _STR, "local_rank": _INT},
+    BYE: {},
+    PROMOTE: {
+        "rank": _INT,
+        "local_rank": _INT,
+        "world_size": _INT,
+        "master_addr": _STR,
+        "master_port": _INT,
+        "epoch": _INT,
+    },
+    STOP: {"reason": _STR},
+    ACK: {"seq": _INT},
+}
+
+
+@dataclass(frozen=True)
+class Message:
+    """One authenticated control message.
+
+    ``sender`` names the process (e.g. ``"node7/3"`` for local rank 3 on node7,
+    or ``"supervisor"``); ``seq`` grows strictly per sender; ``ts`` is the
+    sender's wall clock (unix seconds); ``body`` is a JSON object whose
+    required fields are given by :data:`BODY_SCHEMAS`.
+    """
+
+    kind: str
+    sender: str
+    seq: int
+    ts: float
+    body: Mapping[str, Any] = field(default_factory=dict)
+
+
+class ReplayGuard:
+    """Remembers the highest sequence number accepted from each sender.
+
+    One guard per receiver. :meth:`check_and_record` accepts a message only if
+    its ``seq`` is strictly above every ``seq`` accepted before from the same
+    sender. Senders start their counter from the wall clock in microseconds
+    (:class:`SequenceCounter`), so a restarted process continues above its
+    predecessor of the same name. Memory grows with the number of distinct
+    senders, which only holders of the secret can create. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._highest: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def check_and_record(self, sender: str, seq: int) -> None:
+        """Record ``seq`` for ``sender``; raise AuthenticationError if it is not new."""
+        with self._lock:
+            last = self._highest.get(sender)
+            if last is not None and seq <= last:
+                raise AuthenticationError(
+                    f"replayed or reordered control message from {sender!r}: "
+                    f"seq {seq} is not above the last accepted seq {last}"
+                )
+            self._highest[sender] = seq
+
+    def last_seq(self, sender: str) -> int | None:
+        """The highest seq accepted from ``sender``, or None if none yet."""
+        with self._lock:
+            return self._highest.get(sender)
+
+
+class SequenceCounter:
+    """Strictly increasing sequence numbers for one sender; thread-safe.
+
+    Starts at the wall clock in microseconds so that a restarted sender with
+    the same name is not mistaken for a replay by a receiver that saw its
+    predecessor (as long as the clock is not set back across the restart).
+    """
+
+    def __init__(self, start: int | None = None) -> None:
+        self._next = time.time_ns() // 1000 if start is None else start
+        self._lock = threading.Lock()
+
+    def next(self) -> int:
+        """The next sequence number."""
+        with self._lock:
+            value = self._next
+            self._next += 1
+            return value
+
+
+def encode(msg: Message, secret: bytes) -> list[bytes]:
+    """The wire frames of ``msg``, authenticated under ``secret``.
+
+    Raises ControlPlaneError if the message itself is invalid (unknown kind,
+    body not JSON-serialisable, missing body fields, too large).
+    """
+    _check_secret(secret)
+    _check_header(msg.kind, msg.sender, msg.seq, msg.ts)
+    _check_body(msg.kind, msg.body)
+    obj = {"body": msg.body, "kind": msg.kind, "sender": msg.sender, "seq": msg.seq, "ts": msg.ts}
+    try:
+        payload = json.dumps(
+            obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+        ).encode("ascii")
+    except (TypeError, ValueError) as exc:
+        raise ControlPlaneError(
+            f"cannot encode {msg.kind!r} message: its body is not plain JSON ({exc})",
+            hint="bodies hold only str, int, float, bool, None, lists and str-keyed dicts",
+        ) from None
+    if len(payload) > MAX_FRAME_BYTES:
+        raise ControlPlaneError(
+            f"{msg.kind!r} message is {len(payload)} bytes; the limit is {MAX_FRAME_BYTES}"
+        )
+    return [PROTOCOL_VERSION, payload, _mac(secret, PROTOCOL_VERSION, payload)]
+
+
+def decode(
+    frames: Sequence[bytes],
+    secret: bytes,
+    *,
+    allowed: Collection[str] = ALL_KINDS,
+    guard: ReplayGuard | None = None,
+    now: float | None = None,
+    max_skew_s: float = DEFAULT_MAX_SKEW_S,
+) -> Message:
+    """Verify and parse the frames of one message.
+
+    ``allowed`` restricts the kinds this receiver accepts (the supervisor
+    passes :data:`WORKER_KINDS`). ``guard``, when given, rejects replays and
+    records the message as seen; it is updated only for a message that passed
+    every other check. ``now`` defaults to :func:`time.time`.
+    """
+    _check_secret(secret)
+    payload = _check_frames(frames)
+    expected = _mac(secret, PROTOCOL_VERSION, payload)
+    if not hmac.compare_digest(expected, bytes(frames[2])):
+        raise AuthenticationError(
+            "control message failed its HMAC check (forged, corrupted, or signed with another "
+            "job's secret)"
+        )
+    msg = _parse_payload(payload)
+    if msg.kind not in allowed:
+        raise ControlPlaneError(
+            f"control message of kind {msg.kind!r} is not accepted here; "
+            f"expected one of {', '.join(sorted(allowed))}"
+        )
+    _check_body(msg.kind, msg.body)
+    _check_fresh(msg, time.time() if now is None else now, max_skew_s)
+    if guard is not None:
+        guard.check_and_record(msg.sender, msg.seq)
+    return msg
+
+
+class Receiver:
+    """The checking end of one socket: decodes, counts and logs rejections.
+
+    Holds the receiver's :class:`ReplayGuard`. :meth:`accept` never raises for
+    a bad message: it returns None, adds one to :attr:`rejected` and logs at
+    WARNING (the first :attr:`LOG_FIRST` rejections, then every
+    :attr:`LOG_EVERY`-th, so a flood cannot fill the log).
+    """
+
+    LOG_FIRST = 20
+    LOG_EVERY = 1000
+
+    def __init__(
+        self,
+        secret: bytes,
+        allowed: Collection[str],
+        *,
+        max_skew_s: float = DEFAULT_MAX_SKEW_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        _check_secret(secret)
+        #: Messages dropped because they failed a check.
+        self.rejected = 0
+        self.guard = ReplayGuard()
+        self._secret = secret
+        self._allowed = frozenset(allowed)
+        self._max_skew_s = max_skew_s
+        self._clock = clock
+
+    def accept(self, frames: Sequence[bytes], origin: str) -> Message | None:
+        """The authentic message in ``frames``, or None (``origin`` names the peer in logs)."""
+        try:
+            return decode(
+                frames,
+                self._secret,
+                allowed=self._allowed,
+                guard=self.guard,
+                now=self._clock(),
+                max_skew_s=self._max_skew_s,
+            )
+        except ControlPlaneError as exc:
+            self.rejected += 1
+            if self.rejected <= self.LOG_FIRST or self.rejected % self.LOG_EVERY == 0:
+                logger.warning("dropped control message #%d from %s: %s", self.rejected, origin, exc.message)
+            return None
+
+
+# --- helpers --------------------------------------------------------------------
+
+
+def _mac(secret: bytes, version: bytes, payload: bytes) -> bytes:
+    return hmac.new(secret, _MAC_DOMAIN + version + b"\0" + payload, hashlib.sha256).digest()
+
+
+def _check_secret(secret: bytes) -> None:
+    if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
+        raise ControlPlaneError(
+            "control-plane secret must be at least 16 bytes",
+            hint="load it with torchpass_slurm.control.load_secret",
+        )
+
+
+def _check_frames(frames: Sequence[bytes]) -> bytes:
+    """Structural checks that need no key; returns the payload frame."""
+    if len(frames) != 3:
+        raise ControlPlaneError(f"control message has {len(frames)} frame(s); expected 3")
+    version, payload, mac = (bytes(f) for f in frames)
+    if version != PROTOCOL_VERSION:
+        raise ControlPlaneError(
+            f"control message has protocol version {version[:16]!r}; expected {PROTOCOL_VERSION!r}",
+            hint="supervisor and workers must run the same torchpass-slurm version",
+        )
+    if len(payload) > MAX_FRAME_BYTES:
+        raise ControlPlaneError(
+            f"control message payload is {len(payload)} bytes; the limit is {MAX_FRAME_BYTES}"
+        )
+    if len(mac) != MAC_BYTES:
+        raise ControlPlaneError(f"control message MAC is {len(mac)} bytes; expected {MAC_BYTES}")
+    return payload
+
+
+def _parse_payload(payload: bytes) -> Message:
+    try:
+        obj = json.loads(payload.decode("ascii"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ControlPlaneError(f"control message payload is not JSON: {exc}") from None
+    if not isinstance(obj, dict) or set(obj) != {"body", "kind", "sender", "seq", "ts"}:
+        seen = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise ControlPlaneError(
+            f"control message payload has fields {seen}; expected body, kind, sender, seq, ts"
+        )
+    _check_header(obj["kind"], obj["sender"], obj["seq"], obj["ts"])
+    if not isinstance(obj["body"], dict):
+        raise ControlPlaneError(
+            f"control message body is a {type(obj['body']).__name__}; expected a JSON object"
+        )
+    return Message(obj["kind"], obj["sender"], obj["seq"], float(obj["ts"]), obj["body"])
+
+
+def _check_header(kind: object, sender: object, seq: object, ts: object) -> None:
+    if not isinstance(kind, str) or kind not in ALL_KINDS:
+        raise ControlPlaneError(
+            f"unknown control message kind {kind!r}; expected one of {', '.join(sorted(ALL_KINDS))}"
+        )
+    if not isinstance(sender, str) or not 0 < len(sender) <= MAX_SENDER_CHARS:
+        raise ControlPlaneError(
+            f"control message sender must be a non-empty string of at most {MAX_SENDER_CHARS} "
+            f"characters; got {type(sender).__name__}"
+        )
+    if not _is_int(seq) or seq < 0:
+        raise ControlPlaneError(f"control message seq must be a non-negative integer; got {seq!r}")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+        raise ControlPlaneError(f"control message ts must be a finite number; got {ts!r}")
+
+
+def _check_body(kind: str, body: object) -> None:
+    if not isinstance(body, Mapping):
+        raise ControlPlaneError(f"{kind!r} body is a {type(body).__name__}; expected a dict")
+    for name, types in BODY_SCHEMAS[kind].items():
+        if name not in body:
+            raise ControlPlaneError(f"{kind!r} body lacks the field {name!r}")
+        value = body[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            wanted = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ControlPlaneError(
+                f"{kind!r} body field {name!r} is {type(value).__name__}; expected {wanted}"
+            )
+
+
+def _check_fresh(msg: Message, now: float, max_skew_s: float) -> None:
+    skew = msg.ts - now
+    if abs(skew) > max_skew_s:
+        raise AuthenticationError(
+            f"{msg.kind!r} message from {msg.sender!r} is stamped {skew:+.1f} s from this "
+            f"host's clock; the window is ±{max_skew_s:g} s (stale, replayed, or clocks "
+            "out of sync)",
+            hint="check that the nodes' clocks are synchronised (chrony/ntpd)",
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
