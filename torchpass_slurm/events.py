@@ -1,0 +1,251 @@
+"""The structured event log: append-only JSON lines in ``RUN_DIR/events.jsonl``.
+
+Facts that others must count (faults, promotions, restarts) are written here,
+one JSON object per line::
+
+    {"epoch": 1, "job": "4242", "kind": "spare_promoted", "node": "s1", "replaces": "n2", "ts": 1718000000.5}
+
+Every line has ``ts`` (unix seconds, float), ``kind``, ``job`` and ``epoch``;
+the other keys are the event's fields. Writing: each event is one ``write``
+on a descriptor opened with ``O_APPEND``, then ``fsync``, so appenders on one
+host never interleave lines and an event that :meth:`EventLog.append` returned
+is on disk. (On NFS, ``O_APPEND`` is not atomic between *different* clients:
+let one process per host append.)
+
+Crashes. A crash mid-write can leave a torn last line. :func:`read_events`
+skips it. The next :class:`EventLog` opened on the file ends the torn line and
+writes a :data:`LOG_REPAIRED` event right after it, so the log stays
+append-only and the reader knows the fragment before that event is not
+garbage. An unparsable line anywhere else is an error.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchpass_slurm.errors import TorchpassError
+
+__all__ = [
+    "SUBMITTED",
+    "STARTED",
+    "WORKER_UP",
+    "HEARTBEAT_LOST",
+    "STEP_EXITED",
+    "NODE_DOWN",
+    "DRAIN_SEEN",
+    "SPARE_PROMOTED",
+    "SPARE_LOST",
+    "RESTARTED",
+    "FINISHED",
+    "FAILED",
+    "LOG_REPAIRED",
+    "EVENTS_FILE",
+    "Event",
+    "EventLog",
+    "EventLogError",
+    "read_events",
+]
+
+logger = logging.getLogger(__name__)
+
+#: File name of the event log inside the run directory.
+EVENTS_FILE = "events.jsonl"
+
+# --- kinds (any lower_snake_case name is accepted; these are the known ones) ---
+SUBMITTED = "submitted"  # tp-submit handed the job to sbatch
+STARTED = "started"  # the supervisor started in the batch step
+WORKER_UP = "worker_up"  # a rank said hello
+HEARTBEAT_LOST = "heartbeat_lost"  # a rank missed its heartbeats
+STEP_EXITED = "step_exited"  # an srun step (one node) ended
+NODE_DOWN = "node_down"  # Slurm reports a node of the job down / gone
+DRAIN_SEEN = "drain_seen"  # an admin drain on a node of the job
+SPARE_PROMOTED = "spare_promoted"  # a spare took over a failed node's slot
+SPARE_LOST = "spare_lost"  # a spare died on standby
+RESTARTED = "restarted"  # fell back to checkpoint-restart
+FINISHED = "finished"  # the training ended successfully
+FAILED = "failed"  # the job gave up
+LOG_REPAIRED = "log_repaired"  # a torn line before this one was left by a crash
+
+#: Keys every line has; an event's own fields may not use them.
+RESERVED_KEYS = frozenset({"ts", "kind", "job", "epoch"})
+_KIND_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+
+
+class EventLogError(TorchpassError):
+    """The event log could not be written, or read back in full."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of the event log."""
+
+    ts: float
+    kind: str
+    job: str
+    epoch: int
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_line(self) -> bytes:
+        """The JSON line (with its newline) that records this event."""
+        obj = {**self.fields, "ts": self.ts, "kind": self.kind, "job": self.job, "epoch": self.epoch}
+        try:
+            text = json.dumps(obj, sort_keys=True, allow_nan=False, default=_jsonable)
+        except (TypeError, ValueError) as exc:
+            raise EventLogError(f"event {self.kind!r} has a field that is not JSON: {exc}") from None
+        return (text + "\n").encode("utf-8")
+
+
+class EventLog:
+    """Appender to one event log file. Use as a context manager or call :meth:`close`.
+
+    ``job`` and ``epoch`` are written into every event; the supervisor sets
+    :attr:`epoch` whenever the membership changes.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        job: str = "",
+        epoch: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = Path(path)
+        self.job = job
+        self.epoch = epoch
+        self._clock = clock
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise EventLogError(f"cannot open the event log {self.path}: {exc.strerror}") from None
+        self._repair_torn_tail()
+
+    def append(self, kind: str, *, epoch: int | None = None, **fields: Any) -> Event:
+        """Write one event durably and return it.
+
+        ``epoch`` overrides :attr:`epoch` for this event only. Field names
+        ``ts``, ``kind`` and ``job`` are reserved.
+        """
+        if not _KIND_RE.match(kind):
+            raise EventLogError(f"event kind {kind!r} is not a lower_snake_case name")
+        clash = RESERVED_KEYS & set(fields)
+        if clash:
+            raise EventLogError(f"event fields may not be named {', '.join(sorted(clash))}")
+        event = Event(self._clock(), kind, self.job, self.epoch if epoch is None else epoch, fields)
+        self._write(event.to_line())
+        return event
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _write(self, line: bytes) -> None:
+        if self._fd < 0:
+            raise EventLogError(f"the event log {self.path} is closed")
+        try:
+            written = os.write(self._fd, line)  # one write: O_APPEND keeps it whole
+            os.fsync(self._fd)  # os.write is unbuffered; fsync makes it durable
+        except OSError as exc:
+            raise EventLogError(f"cannot write to the event log {self.path}: {exc.strerror}") from None
+        if written != len(line):
+            raise EventLogError(
+                f"short write to the event log {self.path}: {written} of {len(line)} bytes"
+            )
+
+    def _repair_torn_tail(self) -> None:
+        size = os.fstat(self._fd).st_size
+        if size == 0:
+            return
+        with open(self.path, "rb") as f:
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+        logger.warning("event log %s ends in a torn line (a crash mid-write); marking it", self.path)
+        repaired = Event(self._clock(), LOG_REPAIRED, self.job, self.epoch, {})
+        self._write(b"\n" + repaired.to_line())
+
+
+def read_events(path: Path) -> list[Event]:
+    """All events in the log at ``path``, in file order.
+
+    Skips blank lines, a torn last line, and a torn line followed by a
+    :data:`LOG_REPAIRED` event; raises EventLogError (with the line number)
+    for any other line that is not a valid event.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise EventLogError(f"cannot read the event log {path}: {exc.strerror}") from None
+    lines = data.split(b"\n")
+    parsed = [_parse_line(line) for line in lines]
+    events: list[Event] = []
+    for i, (line, event) in enumerate(zip(lines, parsed)):
+        if event is not None:
+            events.append(event)
+        elif line.strip() and not _is_torn(i, lines, parsed):
+            raise EventLogError(
+                f"{path}:{i + 1} is not a valid event: {line[:80]!r}",
+                hint="the event log was edited or written by something else; fix or remove that line",
+            )
+    return events
+
+
+def _is_torn(i: int, lines: list[bytes], parsed: list[Event | None]) -> bool:
+    """Whether the bad line ``i`` is a crash's torn write (and so may be skipped)."""
+    if i == len(lines) - 1:  # no newline after it: the last write never finished
+        logger.warning("skipping a torn last line of the event log: %r", lines[i][:80])
+        return True
+    following = parsed[i + 1] if i + 1 < len(parsed) else None
+    return following is not None and following.kind == LOG_REPAIRED
+
+
+def _parse_line(line: bytes) -> Event | None:
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not RESERVED_KEYS <= set(obj):
+        return None
+    ts, kind, job, epoch = obj.pop("ts"), obj.pop("kind"), obj.pop("job"), obj.pop("epoch")
+    if (
+        isinstance(ts, bool)
+        or not isinstance(ts, (int, float))
+        or not isinstance(kind, str)
+        or not isinstance(job, str)
+        or isinstance(epoch, bool)
+        or not isinstance(epoch, int)
+    ):
+        return None
+    return Event(float(ts), kind, job, epoch, obj)
+
+
+def _jsonable(value: object) -> Any:
+    """JSON form of the few non-JSON types events commonly carry."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if isinstance(value, range):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
