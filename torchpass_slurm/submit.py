@@ -642,10 +642,13 @@ def check_run_dir(run_dir: str) -> None:
 
 
 def check_partition_fits(spec: JobSpec, partition: str | None, node_count: int | None) -> None:
-    """N+S nodes fit into the partition (``node_count`` None: Slurm could not tell)."""
+    """N+S nodes fit into the partition (``node_count`` None: Slurm could not tell).
+
+    Without a partition, ``node_count`` is the whole cluster's: a bound on the default one.
+    """
     if node_count is None or spec.total_nodes <= node_count:
         return
-    where = f"partition {partition!r}" if partition else "the default partition"
+    where = f"partition {partition!r}" if partition else "the cluster"
     raise SubmitError(
         f"the job needs {spec.total_nodes} nodes ({spec.nodes} active + "
         f"{_plural(spec.spares, 'hot spare')}), but {where} has only {_plural(node_count, 'node')}",
@@ -664,7 +667,7 @@ class Submitter(Protocol):
         ...
 
     def partition_node_count(self, partition: str | None) -> int | None:
-        """Nodes in ``partition`` (None: the default one), or None if Slurm cannot tell."""
+        """Nodes in ``partition`` (None: in the cluster), or None if Slurm cannot tell."""
         ...
 
 

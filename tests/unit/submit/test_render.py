@@ -119,5 +119,5 @@ def test_partition_fits() -> None:
     assert info.value.message == (
         "the job needs 6 nodes (4 active + 2 hot spares), but partition 'gpu' has only 5 nodes")
     assert info.value.hint == "lower --spares or -N, or pick a larger partition with -p"
-    with pytest.raises(SubmitError, match="but the default partition has only 1 node\n"):
+    with pytest.raises(SubmitError, match="but the cluster has only 1 node\n"):
         check_partition_fits(COMMAND_SPEC, None, 1)
