@@ -1,0 +1,211 @@
+"""The default backend: Slurm's own commands, with JSON output where it exists.
+
+Every operation builds an argument list and hands it to a
+:class:`~torchpass_slurm.slurm.runner.Runner`; what comes back is parsed by
+the pure functions of :mod:`~torchpass_slurm.slurm.parse`. ``sinfo --json`` and
+``squeue --json`` ignore filter options on some releases, so filtering by node,
+partition or job is done here, after parsing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from collections.abc import Iterable, Mapping, Sequence
+from functools import cached_property
+
+from torchpass_slurm.errors import SlurmCommandError, SlurmError, SlurmTimeoutError
+from torchpass_slurm.slurm import hostlist
+from torchpass_slurm.slurm.models import Job, Node, SlurmVersion
+from torchpass_slurm.slurm.parse import (
+    parse_job_id,
+    parse_sinfo_json,
+    parse_squeue_json,
+    parse_version,
+)
+from torchpass_slurm.slurm.runner import CommandResult, Runner, SubprocessRunner
+from torchpass_slurm.slurm.scontrol_text import parse_scontrol_job
+from torchpass_slurm.slurm.steps import srun_argv, step_env
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CliSlurm"]
+
+_JOB_GONE_HINT = (
+    "the job may have ended and been purged from slurmctld (MinJobAge); "
+    "`sacct -j {job_id}` shows its accounting record."
+)
+
+
+class CliSlurm:
+    """Talks to Slurm through ``sinfo``, ``squeue``, ``scontrol``, ``sbatch``, ``srun``, ``scancel``."""
+
+    name = "cli"
+
+    def __init__(self, runner: Runner | None = None) -> None:
+        self.runner: Runner = runner if runner is not None else SubprocessRunner()
+
+    def _run(
+        self,
+        argv: Sequence[str],
+        *,
+        input: str | None = None,
+        env: Mapping[str, str] | None = None,
+        hint: str | None = None,
+    ) -> CommandResult:
+        """Run one command; on a non-zero exit, replace the generic hint by ``hint``."""
+        try:
+            return self.runner.run(argv, input=input, env=env)
+        except SlurmTimeoutError:
+            raise
+        except SlurmCommandError as err:
+            if hint is None:
+                raise
+            raise SlurmCommandError(
+                err.argv, err.returncode, err.stderr, stdout=err.stdout, hint=hint
+            ) from err
+
+    # --- reading -----------------------------------------------------------
+
+    def version(self) -> SlurmVersion:
+        """The Slurm release of the client commands (``sinfo --version``)."""
+        return self._version
+
+    @cached_property
+    def _version(self) -> SlurmVersion:
+        return parse_version(self._run(["sinfo", "--version"]).stdout)
+
+    def ping(self) -> bool:
+        """True when a slurmctld answers ``scontrol ping``."""
+        try:
+            out = self._run(["scontrol", "ping"]).stdout
+        except SlurmTimeoutError:
+            raise
+        except SlurmCommandError as err:
+            out = err.stdout
+            if "DOWN" not in out:
+                raise
+        return " is UP" in out
+
+    def nodes(self, names: Iterable[str] | None = None, *, partition: str | None = None) -> tuple[Node, ...]:
+        """Nodes as ``sinfo --json`` reports them, optionally only ``names`` / one partition."""
+        nodes = self._load_nodes()
+        if names is not None:
+            wanted = set(names)
+            nodes = tuple(n for n in nodes if n.name in wanted)
+        if partition is not None:
+            nodes = tuple(n for n in nodes if partition in n.partitions)
+        return nodes
+
+    def _load_nodes(self) -> tuple[Node, ...]:
+        """Every node; the one read a backend overrides."""
+        return parse_sinfo_json(self._run(["sinfo", "--json"]).stdout)
+
+    def node(self, name: str) -> Node:
+        """One node; :class:`SlurmError` if Slurm does not know it."""
+        found = self.nodes([name])
+        if not found:
+            raise SlurmError(
+                f"Slurm knows no node named {name!r}",
+                hint="`sinfo -N` lists the node names of this cluster.",
+            )
+        return found[0]
+
+    def job(self, job_id: int) -> Job:
+        """One job, with its CURRENT node list (``scontrol -o show job``)."""
+        result = self._run(
+            ["scontrol", "-o", "show", "job", str(job_id)],
+            hint=_JOB_GONE_HINT.format(job_id=job_id),
+        )
+        return parse_scontrol_job(result.stdout)
+
+    def jobs(self, job_ids: Iterable[int] | None = None, *, user: str | None = None) -> tuple[Job, ...]:
+        """Jobs as ``squeue --json`` reports them, optionally only ``job_ids`` / one user's."""
+        argv = ["squeue", "--json"]
+        if user is not None:
+            argv.append(f"--user={user}")
+        jobs = parse_squeue_json(self._run(argv).stdout)
+        if job_ids is not None:
+            wanted = {int(j) for j in job_ids}
+            jobs = tuple(j for j in jobs if j.job_id in wanted)
+        return jobs
+
+    # --- acting ------------------------------------------------------------
+
+    def submit_batch(
+        self,
+        script: str | os.PathLike[str],
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> int:
+        """Submit a batch script with ``sbatch --parsable``; return the job id.
+
+        A ``str`` is the script's TEXT (given to sbatch on stdin); a path
+        (``pathlib.Path`` or other ``os.PathLike``) is a script file. ``args``
+        are sbatch options placed before the script; ``env`` adds variables to
+        the environment sbatch sees (and, with the default ``--export=ALL``,
+        the job).
+        """
+        argv = ["sbatch", "--parsable", *args]
+        text: str | None = None
+        if isinstance(script, str):
+            text = script
+        else:
+            argv.append(os.fspath(script))
+        full_env = {**os.environ, **env} if env else None
+        result = self._run(argv, input=text, env=full_env)
+        job_id = parse_job_id(result.stdout)
+        logger.info("submitted batch job %d", job_id)
+        return job_id
+
+    def launch_step(
+        self,
+        command: Sequence[str],
+        *,
+        node: str,
+        job_id: int | None = None,
+        ntasks: int = 1,
+        job_name: str | None = None,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """Start one ``srun --no-kill`` step on ``node``; return its process at once."""
+        argv = srun_argv(
+            command, node=node, job_id=job_id, ntasks=ntasks, job_name=job_name, extra_args=extra_args
+        )
+        return self.runner.spawn(argv, env=step_env(os.environ, env))
+
+    def drain(self, node: str, reason: str) -> None:
+        """Drain ``node``: running work stays, nothing new starts. ``reason`` is required."""
+        if not reason.strip():
+            raise ValueError("drain: Slurm requires a reason to drain a node")
+        self._run(["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"])
+        logger.info("drained %s: %s", node, reason)
+
+    def resume(self, node: str) -> None:
+        """Undo a drain (``State=RESUME``)."""
+        self._run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
+        logger.info("resumed %s", node)
+
+    def shrink_job(self, job_id: int, keep_nodes: Iterable[str]) -> None:
+        """Release every node of a running job except ``keep_nodes``.
+
+        Only the steps on released nodes are killed (with ``--no-kill``).
+        """
+        keep = list(keep_nodes)
+        if not keep:
+            raise ValueError("shrink_job: keep at least one node (use cancel() to end the job)")
+        self._run(
+            ["scontrol", "update", f"JobId={job_id}", f"NodeList={hostlist.compress(keep)}"],
+            hint=_JOB_GONE_HINT.format(job_id=job_id),
+        )
+        logger.info("shrank job %d to %s", job_id, keep)
+
+    def cancel(self, job_id: int, *, signal: str | None = None) -> None:
+        """``scancel`` the job, or send it ``signal`` (e.g. ``"USR1"``) instead."""
+        argv = ["scancel"]
+        if signal is not None:
+            argv.append(f"--signal={signal}")
+        argv.append(str(job_id))
+        self._run(argv)

@@ -1,0 +1,169 @@
+"""Run Slurm commands: the one place in the package that starts a Slurm process.
+
+Every call goes through a :class:`Runner`. The real one,
+:class:`SubprocessRunner`, runs an argument list (never a shell string) with a
+timeout and turns every way a command can fail into one of the package's
+errors:
+
+=============================  ===========================================
+what happened                  raised
+=============================  ===========================================
+the program is not on PATH     :class:`~torchpass_slurm.errors.SlurmNotFoundError`
+it ran past its timeout        :class:`~torchpass_slurm.errors.SlurmTimeoutError`
+it exited non-zero             :class:`~torchpass_slurm.errors.SlurmCommandError`
+=============================  ===========================================
+
+The timeout of a call that does not give its own is :data:`TIMEOUT_ENV`
+(``TORCHPASS_SLURM_TIMEOUT``, seconds) or :data:`DEFAULT_TIMEOUT_S`.
+
+Unit tests inject a fake that implements the same protocol and rejects every
+command it was not told about.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from torchpass_slurm.errors import (
+    ConfigError,
+    SlurmCommandError,
+    SlurmNotFoundError,
+    SlurmTimeoutError,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable: timeout in seconds of one Slurm command.
+TIMEOUT_ENV = "TORCHPASS_SLURM_TIMEOUT"
+
+#: Timeout in seconds of one Slurm command when :data:`TIMEOUT_ENV` is unset.
+#: Generous: a busy slurmctld can take several seconds to answer; a watcher
+#: that polls every few seconds must still never hang forever.
+DEFAULT_TIMEOUT_S = 30.0
+
+#: Shown with every non-zero exit that has no more specific advice.
+GENERIC_HINT = (
+    "the message above is Slurm's own; `scontrol ping` checks that the controller answers."
+)
+
+
+def default_timeout() -> float:
+    """Timeout of one Slurm command: :data:`TIMEOUT_ENV` if set, else the default.
+
+    Raises :class:`ConfigError` when the variable is not a positive number.
+    """
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(
+            f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds",
+            hint=f"unset it to use the default of {DEFAULT_TIMEOUT_S:g} s, or set e.g. {TIMEOUT_ENV}=60.",
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """What a finished command printed (it exited 0)."""
+
+    argv: tuple[str, ...]
+    stdout: str
+    stderr: str = ""
+    returncode: int = 0
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """Runs Slurm commands. ``run`` waits for the end; ``spawn`` does not."""
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        input: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> CommandResult:
+        """Run ``argv`` to completion; raise a :class:`SlurmError` unless it exits 0.
+
+        ``env`` is the complete environment of the command (None: inherit ours).
+        """
+        ...
+
+    def spawn(
+        self, argv: Sequence[str], *, env: Mapping[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` (e.g. a long ``srun`` step) and return at once; no timeout.
+
+        The caller owns the process: it must ``wait()``/``terminate()`` it.
+        """
+        ...
+
+
+class SubprocessRunner:
+    """The real :class:`Runner`: :mod:`subprocess`, argument lists, a timeout each call."""
+
+    def __init__(self, timeout: float | None = None) -> None:
+        self.timeout = default_timeout() if timeout is None else timeout
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        input: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> CommandResult:
+        argv = tuple(argv)
+        limit = self.timeout if timeout is None else timeout
+        started = time.monotonic()
+        try:
+            proc = subprocess.run(
+                argv,
+                input=input,
+                capture_output=True,
+                text=True,
+                timeout=limit,
+                check=False,
+                env=dict(env) if env is not None else None,
+                stdin=None if input is not None else subprocess.DEVNULL,
+            )
+        except FileNotFoundError:
+            raise SlurmNotFoundError(argv[0]) from None
+        except subprocess.TimeoutExpired as exc:
+            raise SlurmTimeoutError(argv, limit, _text(exc.stderr)) from None
+        logger.debug("%s -> %d in %.2f s", argv, proc.returncode, time.monotonic() - started)
+        if proc.returncode != 0:
+            raise SlurmCommandError(
+                argv, proc.returncode, proc.stderr, stdout=proc.stdout, hint=GENERIC_HINT
+            )
+        return CommandResult(argv, proc.stdout, proc.stderr, proc.returncode)
+
+    def spawn(
+        self, argv: Sequence[str], *, env: Mapping[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        argv = tuple(argv)
+        logger.debug("spawn %s", argv)
+        try:
+            return subprocess.Popen(argv, env=dict(env) if env is not None else None)
+        except FileNotFoundError:
+            raise SlurmNotFoundError(argv[0]) from None
+
+
+def _text(data: str | bytes | None) -> str:
+    if data is None:
+        return ""
+    if isinstance(data, bytes):
+        return data.decode(errors="replace")
+    return data

@@ -1,0 +1,56 @@
+"""Build the ``srun`` command line of one job step on one node (pure).
+
+torchpass runs one step per node so that a node's death takes only its own
+step. Each step therefore gets ``--no-kill`` (keep the job when a node
+fails) as a command-line FLAG: on Slurm 24.11 the environment variable
+``SLURM_NO_KILL=1`` makes srun fail with "Invalid --no-kill specification",
+so :func:`step_env` also removes it from the step's environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+__all__ = ["srun_argv", "step_env"]
+
+#: Environment variables that must not reach srun (see the module docstring).
+UNSAFE_STEP_ENV = ("SLURM_NO_KILL",)
+
+
+def srun_argv(
+    command: Sequence[str],
+    *,
+    node: str,
+    job_id: int | None = None,
+    ntasks: int = 1,
+    job_name: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """``srun --no-kill --nodes=1 --ntasks=N --nodelist=NODE [...] COMMAND...``.
+
+    ``job_id`` targets a job from outside it (``--jobid``); inside the batch
+    script leave it None. ``extra_args`` go before the command, unchanged.
+    """
+    if not command:
+        raise ValueError("srun_argv: the step needs a command")
+    if ntasks < 1:
+        raise ValueError(f"srun_argv: ntasks must be >= 1, got {ntasks}")
+    if not node or "," in node or "[" in node:
+        raise ValueError(f"srun_argv: one node name expected, got {node!r}")
+    argv = ["srun", "--no-kill", "--nodes=1", f"--ntasks={ntasks}", f"--nodelist={node}"]
+    if job_id is not None:
+        argv.append(f"--jobid={job_id}")
+    if job_name:
+        argv.append(f"--job-name={job_name}")
+    argv.extend(extra_args)
+    argv.extend(command)
+    return argv
+
+
+def step_env(base: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` plus ``extra``, without the variables that break srun."""
+    env = {k: v for k, v in base.items() if k not in UNSAFE_STEP_ENV}
+    env.update(extra or {})
+    for key in UNSAFE_STEP_ENV:
+        env.pop(key, None)
+    return env
