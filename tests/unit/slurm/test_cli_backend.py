@@ -1,0 +1,183 @@
+"""CliSlurm: the exact argv of every operation, and what it makes of the answers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from torchpass_slurm.errors import SlurmCommandError, SlurmError, SlurmTimeoutError
+from torchpass_slurm.slurm.cli_backend import CliSlurm
+from torchpass_slurm.slurm.steps import srun_argv, step_env
+
+from .conftest import FakeRunner, fixture_text
+
+
+def make(runner: FakeRunner) -> CliSlurm:
+    return CliSlurm(runner)
+
+
+def test_drain_argv(fake_runner: FakeRunner) -> None:
+    fake_runner.on(["scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=tp: planned maintenance"])
+    make(fake_runner).drain("n2", "tp: planned maintenance")
+    assert len(fake_runner.calls) == 1
+
+
+def test_drain_needs_a_reason(fake_runner: FakeRunner) -> None:
+    with pytest.raises(ValueError):
+        make(fake_runner).drain("n2", "  ")
+    assert fake_runner.calls == []
+
+
+def test_resume_argv(fake_runner: FakeRunner) -> None:
+    fake_runner.on(["scontrol", "update", "NodeName=n2", "State=RESUME"])
+    make(fake_runner).resume("n2")
+
+
+def test_shrink_argv_compresses_the_kept_nodes(fake_runner: FakeRunner) -> None:
+    fake_runner.on(["scontrol", "update", "JobId=7", "NodeList=n[1,3]"])
+    make(fake_runner).shrink_job(7, ["n1", "n3"])
+
+
+def test_shrink_to_nothing_is_refused(fake_runner: FakeRunner) -> None:
+    with pytest.raises(ValueError):
+        make(fake_runner).shrink_job(7, [])
+
+
+def test_cancel_argv(fake_runner: FakeRunner) -> None:
+    fake_runner.on(["scancel", "7"]).on(["scancel", "--signal=USR1", "7"])
+    slurm = make(fake_runner)
+    slurm.cancel(7)
+    slurm.cancel(7, signal="USR1")
+    assert [c.argv for c in fake_runner.calls] == [("scancel", "7"), ("scancel", "--signal=USR1", "7")]
+
+
+def test_submit_text_goes_to_stdin(fake_runner: FakeRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_runner.on(["sbatch", "--parsable", "-N", "3"], fixture_text("24.11", "sbatch_parsable.txt"))
+    script = "#!/bin/sh\nsrun hostname\n"
+    monkeypatch.setenv("TP_BASE", "1")
+    assert make(fake_runner).submit_batch(script, ["-N", "3"], env={"TP_EXTRA": "x"}) == 1
+    call = fake_runner.calls[0]
+    assert call.input == script
+    assert call.env is not None and call.env["TP_EXTRA"] == "x" and call.env["TP_BASE"] == "1"
+
+
+def test_submit_path_is_the_last_argument(fake_runner: FakeRunner, tmp_path: Path) -> None:
+    script = tmp_path / "job.sh"
+    fake_runner.on(["sbatch", "--parsable", str(script)], "42;tpfix\n")
+    assert make(fake_runner).submit_batch(script) == 42
+    assert fake_runner.calls[0].input is None and fake_runner.calls[0].env is None
+
+
+@pytest.mark.parametrize("version", ["22.05", "24.11"])
+def test_nodes_filters_after_parsing(fake_runner: FakeRunner, version: str) -> None:
+    fake_runner.on(["sinfo", "--json"], fixture_text(version, "sinfo_mixed_drain.json"))
+    slurm = make(fake_runner)
+    assert [n.name for n in slurm.nodes(["n2"])] == ["n2"]
+    assert slurm.nodes(partition="nosuch") == ()
+    assert slurm.node("n2").is_draining
+
+
+def test_unknown_node(fake_runner: FakeRunner) -> None:
+    fake_runner.on(["sinfo", "--json"], fixture_text("24.11", "sinfo_idle.json"))
+    with pytest.raises(SlurmError) as info:
+        make(fake_runner).node("n9")
+    assert info.value.message == "Slurm knows no node named 'n9'"
+
+
+@pytest.mark.parametrize("version", ["22.05", "24.11"])
+def test_job_reads_scontrol(fake_runner: FakeRunner, version: str) -> None:
+    argv = ["scontrol", "-o", "show", "job", "1"]
+    fake_runner.on(argv, fixture_text(version, "scontrol_show_job_shrunk.txt"))
+    assert make(fake_runner).job(1).nodes == ("n1",)
+
+
+@pytest.mark.parametrize("version", ["22.05", "24.11"])
+def test_job_gone_carries_slurms_words_and_a_hint(fake_runner: FakeRunner, version: str) -> None:
+    stderr = fixture_text(version, "scontrol_show_job_invalid.stderr").split("exit=")[0]
+    argv = ["scontrol", "-o", "show", "job", "999999"]
+    fake_runner.on(argv, SlurmCommandError(argv, 1, stderr))
+    with pytest.raises(SlurmCommandError) as info:
+        make(fake_runner).job(999999)
+    err = info.value
+    assert (err.argv, err.returncode) == (tuple(argv), 1)
+    assert err.message == (
+        "`scontrol -o show job 999999` exited with status 1: "
+        "slurm_load_jobs error: Invalid job id specified"
+    )
+    assert "sacct -j 999999" in (err.hint or "")
+
+
+def test_timeouts_pass_through_unchanged(fake_runner: FakeRunner) -> None:
+    argv = ["scontrol", "-o", "show", "job", "5"]
+    timeout = SlurmTimeoutError(argv, 30)
+    fake_runner.on(argv, timeout)
+    with pytest.raises(SlurmTimeoutError) as info:
+        make(fake_runner).job(5)
+    assert info.value is timeout
+
+
+def test_jobs_filters_by_id(fake_runner: FakeRunner) -> None:
+    fake_runner.on(["squeue", "--json", "--user=root"], fixture_text("22.05", "squeue_pending.json"))
+    jobs = make(fake_runner).jobs([2], user="root")
+    assert [j.job_id for j in jobs] == [2]
+
+
+@pytest.mark.parametrize("version", ["22.05", "24.11"])
+def test_ping_and_version(fake_runner: FakeRunner, version: str) -> None:
+    fake_runner.on(["scontrol", "ping"], fixture_text(version, "scontrol_ping.txt"))
+    fake_runner.on(["sinfo", "--version"], fixture_text(version, "sinfo_version.txt"))
+    slurm = make(fake_runner)
+    assert slurm.ping() is True
+    assert slurm.version().major_minor == version
+    slurm.version()
+    assert [c.argv for c in fake_runner.calls].count(("sinfo", "--version")) == 1
+
+
+def test_ping_down(fake_runner: FakeRunner) -> None:
+    out = "Slurmctld(primary) at ctl is DOWN\n"
+    fake_runner.on(["scontrol", "ping"], SlurmCommandError(["scontrol", "ping"], 1, "", stdout=out))
+    assert make(fake_runner).ping() is False
+
+
+def test_ping_other_failure_raises(fake_runner: FakeRunner) -> None:
+    fake_runner.on(["scontrol", "ping"], SlurmCommandError(["scontrol", "ping"], 1, "no config"))
+    with pytest.raises(SlurmCommandError):
+        make(fake_runner).ping()
+
+
+def test_srun_argv_uses_the_no_kill_flag() -> None:
+    assert srun_argv(["python", "train.py"], node="n3", job_id=7, ntasks=2, job_name="tp-rank") == [
+        "srun", "--no-kill", "--nodes=1", "--ntasks=2", "--nodelist=n3",
+        "--jobid=7", "--job-name=tp-rank", "python", "train.py",
+    ]
+    assert srun_argv(["true"], node="n1", extra_args=["--overlap"]) == [
+        "srun", "--no-kill", "--nodes=1", "--ntasks=1", "--nodelist=n1", "--overlap", "true",
+    ]
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"command": [], "node": "n1"}, {"command": ["x"], "node": "n[1-2]"}, {"command": ["x"], "node": "n1", "ntasks": 0}]
+)
+def test_srun_argv_rejects_nonsense(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        srun_argv(**kwargs)
+
+
+def test_step_env_drops_slurm_no_kill() -> None:
+    env = step_env({"PATH": "/bin", "SLURM_NO_KILL": "1"}, {"TP_RANK": "0", "SLURM_NO_KILL": "1"})
+    assert env == {"PATH": "/bin", "TP_RANK": "0"}
+
+
+def test_launch_step_spawns_srun_without_slurm_no_kill(
+    fake_runner: FakeRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLURM_NO_KILL", "1")
+    argv = srun_argv(["python", "-m", "worker"], node="n2", job_id=9)
+    fake_runner.on(argv)
+    proc = make(fake_runner).launch_step(["python", "-m", "worker"], node="n2", job_id=9, env={"TP_RANK": "1"})
+    assert proc.wait(timeout=10) == 0
+    env = fake_runner.calls[0].env
+    assert env is not None and "SLURM_NO_KILL" not in env and env["TP_RANK"] == "1"
+    assert env["PATH"] == os.environ["PATH"]
