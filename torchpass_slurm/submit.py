@@ -683,7 +683,7 @@ def _claim_run_dir(run_dir: str, *, rename_if_taken: bool) -> tuple[str, bool]:
     candidates = [run_dir] + ([f"{run_dir}-{i}" for i in range(2, 100)] if rename_if_taken else [])
     for candidate in candidates:
         try:
-            os.makedirs(candidate, mode=0o700)
+            os.makedirs(candidate)
             return candidate, True
         except FileExistsError:
             if not rename_if_taken:
