@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.submit.test_cli import FakeSubmitter, tp_submit
 from torchpass_slurm.cli import submit as cli
+
+from .test_cli import FakeSubmitter, tp_submit
 
 GUIDE = Path(__file__).parents[3] / "docs" / "user-guide.md"
 TEXT = GUIDE.read_text()
