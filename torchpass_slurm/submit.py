@@ -71,6 +71,9 @@ __all__ = [
 
 REQUIRED, OPTIONAL, FLAG = "required", "optional", "flag"
 
+#: long option name -> (short letter or "", REQUIRED / OPTIONAL / FLAG)
+_Table = Mapping[str, tuple[str, str]]
+
 
 def _table(spec: str, kind: str) -> dict[str, tuple[str, str]]:
     """``"nodes:N time:t wrap"`` -> {"nodes": ("N", kind), "time": ("t", kind), "wrap": ("", kind)}."""
@@ -172,7 +175,7 @@ class BatchScript:
     body: str
 
 
-def _match(given: str, table: Mapping[str, tuple[str, str]], origin: str) -> str | None:
+def _match(given: str, table: _Table, origin: str) -> str | None:
     """The long option ``given`` names: exact, or a unique prefix (like getopt_long)."""
     if given in table:
         return given
@@ -191,7 +194,7 @@ def _take_value(name: str, words: list[str], origin: str) -> str:
     return words.pop(0)
 
 
-def _parse_long(word: str, words: list[str], table: Mapping[str, tuple[str, str]], origin: str) -> Option:
+def _parse_long(word: str, words: list[str], table: _Table, origin: str) -> Option:
     given, eq, value = word[2:].partition("=")
     name = _match(given, table, origin)
     if name is None:  # not ours to judge: sbatch gets it as written
@@ -205,7 +208,7 @@ def _parse_long(word: str, words: list[str], table: Mapping[str, tuple[str, str]
     return Option(name, value if eq else None, (word,), origin)
 
 
-def _parse_short(word: str, words: list[str], table: Mapping[str, tuple[str, str]], origin: str) -> list[Option]:
+def _parse_short(word: str, words: list[str], table: _Table, origin: str) -> list[Option]:
     by_letter = {short: name for name, (short, _) in table.items() if short}
     found = []
     i = 1
@@ -230,7 +233,7 @@ def _parse_short(word: str, words: list[str], table: Mapping[str, tuple[str, str
 
 
 def _parse_options(
-    words: list[str], table: Mapping[str, tuple[str, str]], origin: str
+    words: list[str], table: _Table, origin: str
 ) -> tuple[list[Option], list[str]]:
     """Options from the front of ``words``; returns them and what follows (from a
     positional word or from ``--`` on, both included)."""
@@ -296,7 +299,8 @@ def _parse_directive(line: str, origin: str) -> list[Option]:
                               hint=f"write it as `#TP {' '.join(o.tokens)}`")
         if tag == "#TP" and o.name not in _TP_LINE_OPTIONS:
             raise SubmitError(f"{origin}: {' '.join(o.tokens)} is not allowed in a #TP line",
-                              hint="#TP lines take --spares and --run-dir; sbatch options go in #SBATCH lines")
+                              hint="#TP lines take --spares and --run-dir; "
+                              "sbatch options go in #SBATCH lines")
     return options
 
 

@@ -137,7 +137,9 @@ def _given(name: str, request: SubmitRequest, script: BatchScript | None) -> boo
     return request.has(name) or any(o.name == name for o in (script.directives if script else ()))
 
 
-def _check(request: SubmitRequest, spec: JobSpec, submitter: Submitter, *, cwd: str, run_dir_given: bool) -> None:
+def _check(
+    request: SubmitRequest, spec: JobSpec, submitter: Submitter, *, cwd: str, run_dir_given: bool
+) -> None:
     """Everything that can be refused before a job exists."""
     if spec.command:
         check_command(spec.command, os.path.join(cwd, spec.chdir) if spec.chdir else cwd)
