@@ -1,0 +1,496 @@
+"""The in-rank runtime: what a training process calls to join a torchpass job.
+
+One call at the top of the training script::
+
+    from torchpass_slurm import runtime
+    rt = runtime.init()                  # a spare blocks here until promoted
+    rt.init_process_group("gloo")
+    for step in range(start, steps):
+        ...
+        rt.report_step(step)
+    rt.close()
+
+It reads the environment contract (``docs/design/runtime-contract.md``) and
+runs in one of three modes::
+
+    mode     when                          rank from                               control plane
+    plain    no TORCHPASS_CONTROL          RANK | SLURM_PROCID  (torchrun / srun)   none
+    active   TORCHPASS_ROLE=active         TORCHPASS_RANK_BASE + SLURM_LOCALID      hello, heartbeats, bye
+    spare    TORCHPASS_ROLE=spare          the promote message                      standby ... promote | stop
+
+      spare ──standby──► waits (heartbeats "standby") ──promote──► active (hello, heartbeats)
+                                    └──────────stop──────────► exit 0
+
+In every mode ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR`` and ``MASTER_PORT`` are put in ``os.environ`` so that
+``torch.distributed``'s ``env://`` rendezvous finds them; the same script runs
+under plain ``srun``, ``torchrun`` and ``tp run``.
+
+The control-plane socket is used by one thread at a time: the main thread until
+the heartbeat thread starts, then only that thread. The training thread talks
+to it through plain attributes (the step, the state) and an event (close).
+
+This module imports neither torch nor zmq at import time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+
+from torchpass_slurm.config import (
+    ENV_CONTROL,
+    ENV_EPOCH,
+    ENV_JOB_ID,
+    ENV_NODE,
+    ENV_NTASKS_PER_NODE,
+    ENV_RANK_BASE,
+    ENV_ROLE,
+    ENV_SECRET_FILE,
+    SupervisorConfig,
+)
+from torchpass_slurm.errors import ConfigError, ControlPlaneError
+
+__all__ = ["init", "Runtime", "Role", "RankInfo", "ControlClientLike", "DEFAULT_PG_TIMEOUT"]
+
+logger = logging.getLogger(__name__)
+
+#: Default timeout of collectives in the process group made by
+#: :meth:`Runtime.init_process_group` (bounds how long a silent peer blocks).
+DEFAULT_PG_TIMEOUT = datetime.timedelta(minutes=5)
+#: How long :meth:`Runtime.close` waits for the heartbeat thread to say bye.
+CLOSE_TIMEOUT = datetime.timedelta(seconds=10)
+
+
+class Role(str, Enum):
+    """How this process takes part in the job."""
+
+    PLAIN = "plain"    # no supervisor: torchrun / srun environment
+    ACTIVE = "active"  # a rank of the current epoch
+    SPARE = "spare"    # a hot spare in standby
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the torch.distributed world of one epoch."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str | None
+    master_port: int | None
+    epoch: int = 0
+
+    def export(self, environ: MutableMapping[str, str]) -> None:
+        """Write the torch.distributed ``env://`` variables into ``environ``."""
+        environ["RANK"] = str(self.rank)
+        environ["WORLD_SIZE"] = str(self.world_size)
+        environ["LOCAL_RANK"] = str(self.local_rank)
+        environ["LOCAL_WORLD_SIZE"] = str(self.local_world_size)
+        if self.master_addr is not None:
+            environ["MASTER_ADDR"] = self.master_addr
+        if self.master_port is not None:
+            environ["MASTER_PORT"] = str(self.master_port)
+
+
+class Message(Protocol):
+    """A received control message (what the control client returns)."""
+
+    kind: str
+    body: dict[str, Any]
+
+
+class ControlClientLike(Protocol):
+    """What the runtime needs from :class:`torchpass_slurm.control.client.ControlClient`."""
+
+    def send(self, kind: str, body: dict[str, Any]) -> None: ...
+
+    def recv(self, timeout: datetime.timedelta) -> Message | None: ...
+
+    def close(self) -> None: ...
+
+
+#: Makes a connected client: (endpoint, secret file, sender id) -> client.
+ClientFactory = Callable[[str, str, str], ControlClientLike]
+
+
+# --- the one place that knows the control package --------------------------------
+
+
+def connect_control(endpoint: str, secret_file: str, sender: str) -> ControlClientLike:
+    """Connect to the supervisor's control plane (the real client; imports zmq)."""
+    from pathlib import Path
+
+    from torchpass_slurm.control.client import ControlClient
+    from torchpass_slurm.control.secret import load_secret
+
+    return ControlClient(endpoint, load_secret(Path(secret_file)), sender)
+
+
+class Kinds:
+    """Message kinds, from :mod:`torchpass_slurm.control.messages` (which imports no zmq)."""
+
+    def __init__(self) -> None:
+        from torchpass_slurm.control import messages as m
+
+        self.hello, self.heartbeat, self.standby, self.bye = m.HELLO, m.HEARTBEAT, m.STANDBY, m.BYE
+        self.promote, self.stop = m.PROMOTE, m.STOP
+
+
+# --- environment -> RankInfo (pure) -------------------------------------------------
+
+
+def _int(env: Mapping[str, str], *names: str, default: int | None = None) -> int:
+    """The first of ``names`` set in ``env``, as an int; ``default`` None makes it required."""
+    for name in names:
+        raw = env.get(name, "")
+        if raw != "":
+            head = raw.split("(")[0].split(",")[0]  # SLURM_TASKS_PER_NODE-style "2(x3)"
+            try:
+                return int(head)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if default is None:
+        raise ConfigError(f"none of {', '.join(names)} is set in the environment",
+                          hint="run this under tp run (tp-submit), srun or torchrun, which set them")
+    return default
+
+
+def _port(env: Mapping[str, str]) -> int | None:
+    return _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else None
+
+
+def plain_rank_info(env: Mapping[str, str]) -> RankInfo:
+    """Rank info outside tp run: torchrun's variables, else srun's, else a single process."""
+    world = _int(env, "WORLD_SIZE", "SLURM_NTASKS", default=1)
+    addr = env.get("MASTER_ADDR") or ("127.0.0.1" if world == 1 else None)
+    port = _port(env) or (29500 if world == 1 else None)
+    return RankInfo(
+        rank=_int(env, "RANK", "SLURM_PROCID", default=0),
+        world_size=world,
+        local_rank=_int(env, "LOCAL_RANK", "SLURM_LOCALID", default=0),
+        local_world_size=_int(env, "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", default=1),
+        master_addr=addr,
+        master_port=port,
+    )
+
+
+def active_rank_info(env: Mapping[str, str]) -> RankInfo:
+    """Rank info of an active step launched by tp run: rank = RANK_BASE + SLURM_LOCALID."""
+    local = _int(env, "SLURM_LOCALID", default=0)
+    return RankInfo(
+        rank=_int(env, ENV_RANK_BASE) + local,
+        world_size=_int(env, "WORLD_SIZE"),
+        local_rank=local,
+        local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", ENV_NTASKS_PER_NODE, default=1),
+        master_addr=_require(env, "MASTER_ADDR"),
+        master_port=_int(env, "MASTER_PORT"),
+        epoch=_int(env, ENV_EPOCH, default=0),
+    )
+
+
+def promoted_rank_info(body: Mapping[str, Any], env: Mapping[str, str]) -> RankInfo:
+    """Rank info of a spare from its promote message."""
+    try:
+        return RankInfo(
+            rank=int(body["rank"]),
+            world_size=int(body["world_size"]),
+            local_rank=int(body.get("local_rank", 0)),
+            local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", ENV_NTASKS_PER_NODE, default=1),
+            master_addr=str(body["master_addr"]),
+            master_port=int(body["master_port"]),
+            epoch=int(body["epoch"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ControlPlaneError(f"malformed promote message {dict(body)!r}: {exc!r}",
+                                hint="the supervisor and this worker run different torchpass-slurm versions?") from exc
+
+
+def _require(env: Mapping[str, str], name: str) -> str:
+    value = env.get(name, "")
+    if not value:
+        raise ConfigError(f"the environment variable {name} is not set",
+                          hint="tp run sets it for active steps; is this an old tp run?")
+    return value
+
+
+def role_from_env(env: Mapping[str, str]) -> Role:
+    """The role this process was launched in."""
+    if not env.get(ENV_CONTROL):
+        return Role.PLAIN
+    raw = env.get(ENV_ROLE, "")
+    try:
+        role = Role(raw)
+    except ValueError:
+        raise ConfigError(f"{ENV_ROLE}={raw!r} is not a role", hint="expected 'active' or 'spare'") from None
+    if role is Role.PLAIN:
+        raise ConfigError(f"{ENV_ROLE}=plain together with {ENV_CONTROL}", hint="expected 'active' or 'spare'")
+    return role
+
+
+# --- heartbeat thread -------------------------------------------------------------
+
+
+class _Heartbeat(threading.Thread):
+    """Owns the control client once started: heartbeats, incoming messages, bye."""
+
+    def __init__(self, runtime: Runtime, client: ControlClientLike, kinds: Kinds, interval: float) -> None:
+        super().__init__(name="torchpass-heartbeat", daemon=True)
+        self._rt = runtime
+        self._client = client
+        self._kinds = kinds
+        self._interval = datetime.timedelta(seconds=interval)
+        self.closing = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.closing.is_set():
+                self._send(self._kinds.heartbeat, self._rt._beat_body())
+                msg = self._recv()
+                if msg is not None:
+                    self._rt._on_message(msg)
+            self._send(self._kinds.bye, self._rt._beat_body(state="done"))
+        finally:
+            self._client.close()
+
+    def _send(self, kind: str, body: dict[str, Any]) -> None:
+        try:
+            self._client.send(kind, body)
+        except Exception as exc:  # keep training; the supervisor judges missing heartbeats
+            self._rt.log.warning("could not send %s to the supervisor: %s", kind, exc)
+
+    def _recv(self) -> Message | None:
+        try:
+            return self._client.recv(self._interval)
+        except Exception as exc:
+            self._rt.log.warning("control plane receive failed: %s", exc)
+            self.closing.wait(self._interval.total_seconds())
+            return None
+
+
+# --- the runtime ------------------------------------------------------------------
+
+
+class _RankAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """Prefixes every line with ``[job/rank/epoch/step]``."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        rt: Runtime = self.extra["runtime"]  # type: ignore[index]
+        return f"[{rt.tag}] {msg}", kwargs
+
+
+class Runtime:
+    """This process's place in the job, and its link to the supervisor.
+
+    Make one with :func:`init` (or :meth:`from_env` then :meth:`start`).
+    """
+
+    def __init__(self, role: Role, info: RankInfo | None, *, environ: MutableMapping[str, str],
+                 client: ControlClientLike | None = None, config: SupervisorConfig | None = None) -> None:
+        self.role = role
+        self.info = info
+        self.job_id = environ.get(ENV_JOB_ID) or environ.get("SLURM_JOB_ID") or "-"
+        self.node = environ.get(ENV_NODE) or environ.get("SLURMD_NODENAME") or "-"
+        self.step: int | None = None
+        self.state = "starting"
+        self.is_spare_promoted = False
+        self.stop_requested = threading.Event()
+        self.log = _RankAdapter(logger, {"runtime": self})
+        self._environ = environ
+        self._client = client
+        self._config = config or SupervisorConfig()
+        self._kinds: Kinds | None = Kinds() if client is not None else None
+        self._heartbeat: _Heartbeat | None = None
+
+    # -- construction --
+
+    @classmethod
+    def from_env(cls, environ: MutableMapping[str, str] | None = None, *,
+                 client_factory: ClientFactory | None = None,
+                 config: SupervisorConfig | None = None) -> Runtime:
+        """Read the environment and connect (no message sent yet, never blocks)."""
+        env = os.environ if environ is None else environ
+        role = role_from_env(env)
+        if role is Role.PLAIN:
+            return cls(role, plain_rank_info(env), environ=env, config=config)
+        info = active_rank_info(env) if role is Role.ACTIVE else None
+        sender = f"{env.get(ENV_NODE) or env.get('SLURMD_NODENAME', '-')}/{env.get('SLURM_LOCALID', '0')}"
+        client = (client_factory or connect_control)(env[ENV_CONTROL], _require(env, ENV_SECRET_FILE), sender)
+        return cls(role, info, environ=env, client=client, config=config)
+
+    def start(self, standby_timeout: datetime.timedelta | None = None) -> Runtime:
+        """Join the job: export the rank env; active: hello + heartbeats; spare: wait first.
+
+        A spare blocks until promoted (then continues as active) or stopped
+        (then the process exits with status 0). ``standby_timeout`` None waits
+        as long as the job runs; otherwise :class:`ControlPlaneError` after it.
+        """
+        if self.role is Role.SPARE:
+            self._wait_for_promotion(standby_timeout)
+        assert self.info is not None
+        self.info.export(self._environ)
+        self.state = "running"
+        if self._client is not None:
+            self._send(self._k.hello, self._hello_body())
+            self._start_heartbeat()
+        self.log.info("%s rank %d of %d (local %d of %d)", self.role.value, self.rank, self.world_size,
+                      self.info.local_rank, self.info.local_world_size)
+        return self
+
+    # -- public API --
+
+    @property
+    def rank(self) -> int:
+        """Global rank (spares: only after promotion)."""
+        return self._info().rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of active ranks."""
+        return self._info().world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Rank within this node."""
+        return self._info().local_rank
+
+    @property
+    def epoch(self) -> int:
+        """Membership epoch this rank belongs to."""
+        return self.info.epoch if self.info is not None else 0
+
+    @property
+    def tag(self) -> str:
+        """``job/rank/epoch/step`` for log lines."""
+        rank = str(self.info.rank) if self.info is not None else "spare"
+        step = "-" if self.step is None else str(self.step)
+        return f"{self.job_id}/{rank}/{self.epoch}/{step}"
+
+    def report_step(self, step: int) -> None:
+        """Record the step this rank has reached; the next heartbeat carries it."""
+        self.step = step
+
+    def init_process_group(self, backend: str = "gloo", timeout: datetime.timedelta = DEFAULT_PG_TIMEOUT) -> None:
+        """Initialize torch.distributed (``env://``) for this rank's epoch."""
+        info = self._info()
+        if info.world_size > 1 and (not info.master_addr or info.master_port is None):
+            raise ConfigError("MASTER_ADDR/MASTER_PORT are not set for a world of "
+                              f"{info.world_size} ranks", hint="export them (the sbatch examples show how)")
+        import torch.distributed as dist
+
+        dist.init_process_group(backend=backend, init_method="env://", rank=info.rank,
+                                world_size=info.world_size, timeout=timeout)
+        self.log.info("process group up: backend=%s master=%s:%s", backend, info.master_addr, info.master_port)
+
+    def close(self) -> None:
+        """Say bye to the supervisor and stop the heartbeat thread (idempotent)."""
+        self.state = "done"
+        hb, self._heartbeat = self._heartbeat, None
+        if hb is not None:
+            hb.closing.set()
+            hb.join(CLOSE_TIMEOUT.total_seconds() + self._config.heartbeat_interval)
+            if hb.is_alive():
+                self.log.warning("heartbeat thread did not stop within %s", CLOSE_TIMEOUT)
+        elif self._client is not None:
+            self._send(self._k.bye, self._beat_body(state="done"))
+            self._client.close()
+            self._client = None
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals --
+
+    @property
+    def _k(self) -> Kinds:
+        assert self._kinds is not None
+        return self._kinds
+
+    def _info(self) -> RankInfo:
+        if self.info is None:
+            raise ControlPlaneError("this spare has not been promoted yet; it has no rank",
+                                    hint="call runtime.init() (or Runtime.start()) before using the rank")
+        return self.info
+
+    def _send(self, kind: str, body: dict[str, Any]) -> None:
+        assert self._client is not None and self._heartbeat is None, "the heartbeat thread owns the client"
+        self._client.send(kind, body)
+
+    def _hello_body(self) -> dict[str, Any]:
+        info = self._info()
+        return {"node": self.node, "rank": info.rank, "local_rank": info.local_rank, "role": Role.ACTIVE.value,
+                "pid": os.getpid(), "world_size": info.world_size, "epoch": info.epoch,
+                "promoted": self.is_spare_promoted}
+
+    def _beat_body(self, state: str | None = None) -> dict[str, Any]:
+        return {"rank": self.info.rank if self.info is not None else None,
+                "step": self.step, "state": state or self.state}
+
+    def _start_heartbeat(self) -> None:
+        assert self._client is not None
+        hb = _Heartbeat(self, self._client, self._k, self._config.heartbeat_interval)
+        self._heartbeat, self._client = hb, None  # the thread owns the client from here on
+        hb.start()
+
+    def _on_message(self, msg: Message) -> None:
+        """A message for an active rank (called from the heartbeat thread)."""
+        if msg.kind == self._k.stop:
+            self.log.warning("the supervisor asked this rank to stop: %s", msg.body)
+            self.stop_requested.set()
+        else:
+            self.log.warning("ignoring unexpected %r message while active", msg.kind)
+
+    def _wait_for_promotion(self, timeout: datetime.timedelta | None) -> None:
+        self.state = "standby"
+        self._send(self._k.standby, {"node": self.node, "local_rank": _int(self._environ, "SLURM_LOCALID", default=0),
+                                     "pid": os.getpid()})
+        self.log.info("standby: waiting for promote or stop")
+        interval = datetime.timedelta(seconds=self._config.heartbeat_interval)
+        waited = datetime.timedelta(0)
+        while timeout is None or waited < timeout:
+            assert self._client is not None
+            msg = self._client.recv(interval)
+            waited += interval
+            if msg is None:
+                self._send(self._k.heartbeat, self._beat_body())
+            elif msg.kind == self._k.promote:
+                self.info = promoted_rank_info(msg.body, self._environ)
+                self.is_spare_promoted = True
+                self.log.info("promoted: %s", msg.body)
+                return
+            elif msg.kind == self._k.stop:
+                self._exit_on_stop(msg)
+            else:
+                self.log.warning("ignoring unexpected %r message in standby", msg.kind)
+        raise ControlPlaneError(f"no promote or stop message within {timeout} of standby",
+                                hint="is the supervisor (tp run) still alive?")
+
+    def _exit_on_stop(self, msg: Message) -> None:
+        self.log.info("stopped in standby: %s", msg.body)
+        self.state = "done"
+        self.close()
+        raise SystemExit(0)
+
+    def __repr__(self) -> str:
+        return f"Runtime(role={self.role.value}, info={self.info}, promoted={self.is_spare_promoted})"
+
+
+def init(environ: MutableMapping[str, str] | None = None, *, client_factory: ClientFactory | None = None,
+         config: SupervisorConfig | None = None, standby_timeout: datetime.timedelta | None = None) -> Runtime:
+    """Join the job as described by the environment; see the module docstring.
+
+    A spare blocks here until promoted; a spare told to stop exits the process
+    with status 0.
+    """
+    return Runtime.from_env(environ, client_factory=client_factory, config=config).start(standby_timeout)
+
