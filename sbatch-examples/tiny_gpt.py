@@ -1,0 +1,262 @@
+#!/usr/bin/env python3
+"""A tiny GPT trained with DDP over gloo on CPU: the example job of torchpass-slurm.
+
+A decoder-only transformer (default 4 layers, d_model 256, 4 heads, context 64,
+vocab 256; about 3.2 M parameters) learns the next token of synthetic,
+deterministic sequences: each sequence counts up modulo 256 with its own stride
+(1, 2, 3 or 5), and 10 % of the tokens are replaced by noise. The model has to
+read the stride from the context, so the loss really falls (from ln 256 = 5.5
+towards the noise floor, about 1).
+
+Everything is a function of ``--seed``, the step and the rank: sample ``i`` of
+the (infinite) data set is generated from ``seed`` and ``i``; step ``s`` of
+rank ``r`` reads samples ``s*B*W + r*B ... + B-1`` (B = --batch-size, W = world
+size), so the data position is the step. Together with the checkpointed model,
+optimizer and per-rank RNG states, a run that is interrupted and resumed ends
+with bitwise the same parameters as an uninterrupted one; the last line says
+so: ``done step=<N> loss=<x> params_sha256=<hash>``.
+
+Runs the same under ``tp run`` (torchpass-slurm), plain ``srun`` and
+``torchrun``: the rank comes from :func:`torchpass_slurm.runtime.init`. With a
+world size of 1 it trains without a process group.
+
+    python3 tiny_gpt.py --steps 50 --ckpt-every 10 --ckpt-dir /tmp/ckpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+try:
+    from torchpass_slurm import checkpoint, runtime
+except ImportError:  # running from a source checkout that is not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from torchpass_slurm import checkpoint, runtime
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+log = logging.getLogger("tiny_gpt")
+
+STRIDES = (1, 2, 3, 5)
+NOISE = 0.1
+
+
+# --- model -------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then an MLP."""
+
+    def __init__(self, d_model: int, n_heads: int, context: int, dropout: float) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.drop = nn.Dropout(dropout)
+        mask = torch.tril(torch.ones(context, context, dtype=torch.bool))
+        self.register_buffer("mask", mask, persistent=False)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.n_heads)
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(dim=-1)
+        y = (self.drop(att) @ v).transpose(1, 2).reshape(b, t, d)
+        return self.drop(self.proj(y))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.ln1(x))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class TinyGPT(nn.Module):
+    """Token + position embeddings, ``n_layers`` blocks, a final norm and an LM head."""
+
+    def __init__(self, vocab: int, d_model: int, n_layers: int, n_heads: int, context: int,
+                 dropout: float) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(context, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, context, dropout) for _ in range(n_layers))
+        self.ln = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+# --- data ----------------------------------------------------------------------------
+
+
+def sample(seed: int, index: int, length: int, vocab: int) -> torch.Tensor:
+    """Sample ``index`` of the data set: ``length`` tokens counting up with a stride, plus noise."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    stride = STRIDES[int(torch.randint(len(STRIDES), (1,), generator=g))]
+    start = int(torch.randint(vocab, (1,), generator=g))
+    seq = (start + stride * torch.arange(length)) % vocab
+    noisy = torch.rand(length, generator=g) < NOISE
+    return torch.where(noisy, torch.randint(vocab, (length,), generator=g), seq)
+
+
+def batch(seed: int, step: int, rank: int, world: int, batch_size: int, context: int,
+          vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of ``rank`` at ``step`` (explicit, DistributedSampler-like sharding)."""
+    first = (step * world + rank) * batch_size
+    rows = torch.stack([sample(seed, first + i, context + 1, vocab) for i in range(batch_size)])
+    return rows[:, :-1], rows[:, 1:]
+
+
+# --- helpers -------------------------------------------------------------------------
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor (numpy is fast; the storage fallback is slow but works)."""
+    t = t.cpu().contiguous()
+    try:
+        return t.numpy().tobytes()
+    except (RuntimeError, TypeError):  # numpy not installed
+        return bytes(t.clone().view(torch.uint8).untyped_storage())
+
+
+def params_sha256(model: nn.Module) -> str:
+    """SHA-256 of every parameter's bytes, in name order: equal iff the weights are bitwise equal."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode())
+        h.update(tensor_bytes(p.detach()))
+    return h.hexdigest()
+
+
+def mean_over_ranks(value: torch.Tensor, world: int) -> float:
+    if world > 1:
+        import torch.distributed as dist
+
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        value /= world
+    return float(value)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=50, help="total optimizer steps (default 50)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step (default 8)")
+    p.add_argument("--ckpt-every", type=int, default=10, help="checkpoint every N steps; 0 = never (default 10)")
+    p.add_argument("--ckpt-dir", default=None,
+                   help="checkpoint folder (default $TORCHPASS_RUN_DIR/checkpoints; none if unset)")
+    p.add_argument("--ckpt-keep", type=int, default=3, help="checkpoints to keep (default 3)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="sleep seconds per step, to stretch a run")
+    p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps (rank 0)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--n-heads", type=int, default=4)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--threads", type=int, default=int(os.environ.get("SLURM_CPUS_PER_TASK", "1")),
+                   help="torch CPU threads (default $SLURM_CPUS_PER_TASK or 1; results depend on it)")
+    p.add_argument("--fail-at-step", type=int, default=None,
+                   help="fault injection: exit with status 17 once this many steps are done")
+    return p.parse_args(argv)
+
+
+def checkpoint_dir(args: argparse.Namespace) -> Path | None:
+    if args.ckpt_dir:
+        return Path(args.ckpt_dir)
+    run_dir = os.environ.get("TORCHPASS_RUN_DIR")
+    return Path(run_dir) / "checkpoints" if run_dir else None
+
+
+# --- training --------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    # The DDP bucket layout must not depend on where the run started (see below).
+    warnings.filterwarnings("ignore", message=".*find_unused_parameters=True.*")
+
+    rt = runtime.init()
+    world, rank = rt.world_size, rt.rank
+    if world > 1:
+        rt.init_process_group("gloo")
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    model = TinyGPT(args.vocab, args.d_model, args.n_layers, args.n_heads, args.context, args.dropout)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    torch.manual_seed(args.seed + 1 + rank)  # per-rank dropout stream
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # find_unused_parameters=True keeps DDP from rebuilding its buckets after
+        # the first step, so the gradient all-reduce sums in the same order
+        # whether a run starts at step 0 or resumes at step 40: bitwise equal.
+        train_model: nn.Module = DDP(model, find_unused_parameters=True)
+    else:
+        train_model = model
+    if rank == 0:
+        rt.log.info("model: %d parameters, world size %d", sum(p.numel() for p in model.parameters()), world)
+
+    ckpt_dir = checkpoint_dir(args)
+    state = {"train": checkpoint.TrainState(model, opt), "rng": checkpoint.RNGState(rank)}
+    start = (checkpoint.load_latest(state, ckpt_dir) or 0) if ckpt_dir else 0
+    if start:
+        rt.log.info("resumed at step %d from %s", start, ckpt_dir)
+
+    loss = torch.tensor(float("nan"))
+    for step in range(start, args.steps):
+        x, y = batch(args.seed, step, rank, world, args.batch_size, args.context, args.vocab)
+        logits = train_model(x)
+        loss = F.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        done = step + 1
+        rt.report_step(done)
+        if done % args.log_every == 0 or done == args.steps:
+            mean = mean_over_ranks(loss, world)
+            if rank == 0:
+                print(f"step={done} loss={mean:.4f}", flush=True)
+        if ckpt_dir and args.ckpt_every and done % args.ckpt_every == 0:
+            checkpoint.save(state, ckpt_dir, done, keep=args.ckpt_keep)
+        if args.fail_at_step is not None and done == args.fail_at_step:
+            rt.log.warning("fault injection: exiting at step %d", done)
+            sys.stdout.flush()
+            os._exit(17)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+
+    final_loss = mean_over_ranks(loss, world)
+    if rank == 0:
+        print(f"done step={args.steps} loss={final_loss:.4f} params_sha256={params_sha256(model)}", flush=True)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    rt.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
