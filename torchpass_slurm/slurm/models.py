@@ -99,6 +99,11 @@ class Job:
     partition: str | None = None
     reason: str | None = None
     num_nodes: int | None = None
+    #: The job's ``--comment`` (tp-submit writes ``torchpass:run_dir=PATH`` there).
+    comment: str | None = None
+    #: Path of the batch script's stdout, as Slurm expanded it (``%j`` filled in).
+    std_out: str | None = None
+    work_dir: str | None = None
 
     @property
     def is_pending(self) -> bool:

@@ -226,6 +226,9 @@ def _job_of_record(rec: Mapping[str, Any], what: str) -> Job:
         partition=rec.get("partition") or None,
         reason=reason_text(rec.get("state_reason")),
         num_nodes=number(rec.get("node_count"), f"{what}: node_count"),
+        comment=rec.get("comment") or None,
+        std_out=rec.get("standard_output") or None,
+        work_dir=rec.get("current_working_directory") or None,
     )
 
 

@@ -70,4 +70,7 @@ def _job(obj: Any) -> Job:
         partition=getattr(obj, "partition", None) or None,
         reason=reason_text(getattr(obj, "state_reason", None)),
         num_nodes=getattr(obj, "num_nodes", None),
+        comment=getattr(obj, "comment", None) or None,
+        std_out=getattr(obj, "standard_output", None) or None,
+        work_dir=getattr(obj, "working_directory", None) or None,
     )

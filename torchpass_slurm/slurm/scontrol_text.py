@@ -99,6 +99,9 @@ def parse_scontrol_job(text: str) -> Job:
         partition=_opt(rec, "Partition"),
         reason=_opt(rec, "Reason"),
         num_nodes=int(num_nodes) if num_nodes and num_nodes.isdigit() else None,
+        comment=_opt(rec, "Comment"),
+        std_out=_opt(rec, "StdOut"),
+        work_dir=_opt(rec, "WorkDir"),
     )
 
 

@@ -83,6 +83,8 @@ def test_squeue_running_job(version: str) -> None:
         partition="debug",
         reason=None,
         num_nodes=2,
+        std_out=None if version == "22.05" else "//slurm-1.out",  # 22.05 leaves it empty
+        work_dir="/",
     )
     assert job.is_running and not job.is_pending and not job.is_finished
 
@@ -106,6 +108,8 @@ def test_squeue_pending_job_has_no_nodes(version: str) -> None:
         partition="debug",
         reason="Resources",
         num_nodes=2,
+        std_out=None if version == "22.05" else "//slurm-2.out",
+        work_dir="/",
     )
 
 

@@ -17,7 +17,18 @@ def test_running_job(version: str) -> None:
     assert job == Job(
         job_id=1, name="tpfix-job", state="RUNNING", nodes=("n1", "n2"),
         batch_host="n1", partition="debug", reason=None, num_nodes=2,
+        comment=None, std_out="//slurm-1.out", work_dir="/",
     )
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_comment_written_by_tp_submit(version: str) -> None:
+    # The recorded job had no --comment; scontrol then prints Comment= after WorkDir=.
+    text = fixture_text(version, "scontrol_show_job_running.txt").replace(
+        "WorkDir=/ ", "WorkDir=/home/u Comment=torchpass:run_dir=/shared/my runs/r1 ")
+    job = parse_scontrol_job(text)
+    assert (job.comment, job.work_dir, job.std_out) == (
+        "torchpass:run_dir=/shared/my runs/r1", "/home/u", "//slurm-1.out")
 
 
 @pytest.mark.parametrize("version", VERSIONS)
