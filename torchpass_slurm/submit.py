@@ -60,6 +60,8 @@ __all__ = [
     "render_batch_script",
     "sbatch_arguments",
     "sbatch_command_line",
+    "run_dir_comment",
+    "RUN_DIR_COMMENT_PREFIX",
     "check_script_interpreter",
     "check_command",
     "check_run_dir",
@@ -118,8 +120,12 @@ _COMMAND_LINE_OPTIONS = {**SBATCH_OPTIONS, **TP_OPTIONS}
 
 #: Options tp-submit reads and then passes to sbatch in its own form (or not at all).
 UNDERSTOOD = frozenset(
-    "nodes ntasks ntasks-per-node partition output job-name chdir no-kill parsable help".split()
+    "nodes ntasks ntasks-per-node partition output job-name chdir no-kill parsable help comment".split()
 ) | frozenset(TP_OPTIONS)
+
+#: The job comment tp-submit sets (unless the user gives ``--comment``), so that
+#: ``tp status JOBID`` can find the run dir from Slurm alone.
+RUN_DIR_COMMENT_PREFIX = "torchpass:run_dir="
 
 #: Interpreters the rendered script may keep: it starts with ``export`` lines.
 POSIX_SHELLS = frozenset({"sh", "bash", "dash", "ksh", "mksh", "zsh", "ash", "busybox"})
@@ -354,6 +360,8 @@ class JobSpec:
     #: sbatch's --output as the user gave it; None: ``RUN_DIR/slurm-%j.out``.
     output: str | None = None
     chdir: str | None = None
+    #: sbatch's --comment as the user gave it; None: ``torchpass:run_dir=RUN_DIR``.
+    comment: str | None = None
     #: Options for sbatch that tp-submit does not interpret, as written, in order.
     sbatch_passthrough: tuple[str, ...] = field(default_factory=tuple)
 
@@ -483,7 +491,7 @@ def resolve_job_spec(
         nodes=nodes, spares=spares, ntasks_per_node=per_node, job_name=job_name,
         run_dir=run_dir, secret_file=os.path.join(run_dir, secret_subpath),
         source=script.source if script else COMMAND_LINE,
-        partition=value("partition"), output=value("output"), chdir=chdir,
+        partition=value("partition"), output=value("output"), chdir=chdir, comment=value("comment"),
         sbatch_passthrough=passthrough,
     )
     if script is not None:
@@ -529,6 +537,11 @@ def render_batch_script(spec: JobSpec) -> str:
     return "\n".join(lines) + "\n" + body
 
 
+def run_dir_comment(run_dir: str) -> str:
+    """The job comment that names the run dir: ``torchpass:run_dir=/shared/runs/r1``."""
+    return RUN_DIR_COMMENT_PREFIX + run_dir
+
+
 def sbatch_arguments(spec: JobSpec) -> tuple[str, ...]:
     """sbatch's options for this job (without ``--parsable``, which the Submitter adds)."""
     args = [
@@ -537,6 +550,7 @@ def sbatch_arguments(spec: JobSpec) -> tuple[str, ...]:
         f"--ntasks-per-node={spec.ntasks_per_node}",
         "--no-kill",
         f"--output={spec.output or os.path.join(spec.run_dir, 'slurm-%j.out')}",
+        f"--comment={run_dir_comment(spec.run_dir) if spec.comment is None else spec.comment}",
     ]
     if spec.partition:
         args.append(f"--partition={spec.partition}")

@@ -78,7 +78,7 @@ def test_submit_script(fake: FakeSubmitter, tmp_path: Path) -> None:
     assert result == Outcome(0, f"Submitted batch job 4242 (2 nodes + 0 hot spares; run dir: {run_dir})\n", "")
     (script, args), = fake.submitted
     assert args == ("--job-name=train.sh", "--nodes=2", "--ntasks-per-node=1", "--no-kill",
-                    f"--output={run_dir}/slurm-%j.out", "--partition=small", "--time=10:00")
+                    f"--output={run_dir}/slurm-%j.out", f"--comment=torchpass:run_dir={run_dir}", "--partition=small", "--time=10:00")
     secret = run_dir / ".torchpass" / "secret"
     assert f"export TORCHPASS_SECRET_FILE={secret}\n" in script
     assert "set -- x\n" in script
@@ -135,7 +135,7 @@ def test_dry_run_prints_and_creates_nothing(fake: FakeSubmitter, tmp_path: Path)
     assert result == Outcome(0, """\
 # tp-submit --dry-run: nothing was submitted, nothing was created.
 # The sbatch command (the script below goes to its stdin):
-sbatch --parsable --job-name=train.sh --nodes=3 --ntasks-per-node=1 --no-kill --output=/shared/r/slurm-%j.out --time=10:00 --mail-type END
+sbatch --parsable --job-name=train.sh --nodes=3 --ntasks-per-node=1 --no-kill --output=/shared/r/slurm-%j.out --comment=torchpass:run_dir=/shared/r --time=10:00 --mail-type END
 # The batch script:
 #!/bin/bash
 # Rendered by tp-submit from train.sh: 2 nodes + 1 hot spare.

@@ -186,8 +186,16 @@ def test_command_line_wins_and_comes_after_the_script_in_passthrough() -> None:
     assert sbatch_arguments(spec) == (
         "--job-name=big", "--nodes=4", "--ntasks-per-node=1", "--no-kill",
         "--output=/home/u/proj/torchpass-runs/big-20250304-050607/slurm-%j.out",
+        "--comment=torchpass:run_dir=/home/u/proj/torchpass-runs/big-20250304-050607",
         "--time=10:00", "-c", "4", "--mail-type", "END", "--time", "20:00",
     )
+
+
+def test_a_comment_given_by_the_user_is_kept_and_not_doubled() -> None:
+    spec = spec_of(["--comm", "mine", "--", "true"])  # a prefix, as sbatch allows
+    args = sbatch_arguments(spec)
+    assert [a for a in args if a.startswith("--comm")] == ["--comment=mine"]
+    assert "mine" not in args
 
 
 def test_no_kill_given_by_the_user_is_not_doubled() -> None:
@@ -199,9 +207,9 @@ def test_no_kill_given_by_the_user_is_not_doubled() -> None:
 def test_run_dir_chdir_output_partition() -> None:
     spec = spec_of(["-D", "work", "-o", "log/%j.out", "-p", "gpu", "--run-dir", "../runs/r1", "--", "true"])
     assert spec.run_dir == "/home/u/runs/r1"  # relative to where tp-submit runs
-    assert sbatch_arguments(spec)[:7] == (
+    assert sbatch_arguments(spec)[:8] == (
         "--job-name=true", "--nodes=1", "--ntasks-per-node=1", "--no-kill", "--output=log/%j.out",
-        "--partition=gpu", "--chdir=work",
+        "--comment=torchpass:run_dir=/home/u/runs/r1", "--partition=gpu", "--chdir=work",
     )
     default = spec_of(["-D", "work", "-J", "a b/c", "--", "true"])
     assert default.run_dir == "/home/u/proj/work/torchpass-runs/a_b_c-20250304-050607"

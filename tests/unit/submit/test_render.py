@@ -95,12 +95,12 @@ def test_script_without_trailing_newline_or_args() -> None:
 def test_sbatch_arguments() -> None:
     assert sbatch_arguments(SCRIPT_SPEC) == (
         "--job-name=train", "--nodes=6", "--ntasks-per-node=8", "--no-kill",
-        f"--output={RUN_DIR}/slurm-%j.out", "--partition=gpu",
+        f"--output={RUN_DIR}/slurm-%j.out", f"--comment=torchpass:run_dir={RUN_DIR}", "--partition=gpu",
         "--time=1:00:00", "--mail-type", "END",
     )
     assert sbatch_command_line(COMMAND_SPEC) == (
         "sbatch --parsable --job-name=python --nodes=3 --ntasks-per-node=1 --no-kill "
-        "--output=logs/%j.out --chdir=/home/u/proj"
+        "--output=logs/%j.out '--comment=torchpass:run_dir=/home/u/my runs/r1' --chdir=/home/u/proj"
     )
 
 
