@@ -69,12 +69,20 @@ class SupervisorConfig:
     heartbeat_interval: float = 2.0
     #: A worker with no heartbeat for this long is declared lost.
     heartbeat_timeout: float = 20.0
+    #: After a step exits with an error, how long to gather evidence before blaming a
+    #: node: when one rank dies, its peers' collectives fail too and their steps exit
+    #: moments later; the node that went silent (or else the first to exit) is the cause.
+    fault_settle: float = 7.0
+    #: During that window, a running step silent for longer than this is presumed dead.
+    silence_threshold: float = 6.0
     #: Interval between polls of Slurm for the job's node states (never a tight loop).
     slurm_poll_interval: float = 5.0
     #: How long a started step may take to say hello before it counts as failed.
     startup_timeout: float = 300.0
-    #: How long stopping a step may take before it is killed.
+    #: How long stopping a healthy step may take before its srun is killed.
     stop_timeout: float = 15.0
+    #: The same for a lost step (a dead node cannot answer; do not wait long).
+    lost_stop_timeout: float = 3.0
 
     @classmethod
     def from_mapping(cls, values: dict[str, float]) -> SupervisorConfig:

@@ -1,0 +1,58 @@
+"""Assemble a :class:`~torchpass_slurm.supervisor.Supervisor` for ``tp run``.
+
+Kept apart from :mod:`.run` so that ``tp run --help`` imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from torchpass_slurm import config as cfg
+from torchpass_slurm.control.secret import create_secret, load_secret
+from torchpass_slurm.control.server import ControlServer
+from torchpass_slurm.errors import ConfigError
+from torchpass_slurm.events import EVENTS_FILE, EventLog
+from torchpass_slurm.membership import Membership
+from torchpass_slurm.slurm import select_backend
+from torchpass_slurm.supervisor import Supervisor
+from torchpass_slurm.workers import StepLauncher
+
+logger = logging.getLogger(__name__)
+
+
+def build_supervisor(*, job_id: int, command: Sequence[str], spares: int, ntasks_per_node: int,
+                     run_dir: Path, host: str) -> Supervisor:
+    slurm = select_backend()
+    job = slurm.job(job_id)
+    nodes = _ordered_nodes(job.nodes, job.batch_host)
+    n_active = cfg.env_int(cfg.ENV_NODES, len(nodes) - spares, minimum=1)
+    if n_active + spares > len(nodes):
+        raise ConfigError(
+            f"job {job_id} has {len(nodes)} node(s) ({', '.join(nodes)}) but {n_active} active "
+            f"+ {spares} spare(s) were asked for",
+            hint="submit with tp-submit, which asks Slurm for N+S nodes")
+    membership = Membership.initial(nodes[: n_active + spares], n_active, ntasks_per_node)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    secret_file = Path(os.environ.get(cfg.ENV_SECRET_FILE) or create_secret(run_dir))
+    secret = load_secret(secret_file)
+    server = ControlServer(secret, bind_host="0.0.0.0", port=0, advertise_host=host)
+    env = {cfg.ENV_SECRET_FILE: str(secret_file), cfg.ENV_RUN_DIR: str(run_dir)}
+    launcher = StepLauncher(slurm, job_id=job_id, command=command,
+                            control_endpoint=server.endpoint, base_env=env)
+    events = EventLog(run_dir / EVENTS_FILE, job=str(job_id), epoch=membership.epoch)
+    logger.info("supervising job %d: active %s, spares %s, control %s", job_id,
+                ",".join(membership.active), ",".join(membership.spares) or "-", server.endpoint)
+    return Supervisor(job_id=job_id, run_dir=run_dir, membership=membership, launcher=launcher,
+                      server=server, slurm=slurm, events=events, config=cfg.SupervisorConfig())
+
+
+def _ordered_nodes(nodes: Sequence[str], batch_host: str | None) -> list[str]:
+    """The batch host first: it runs the supervisor, so it should never be a spare."""
+    ordered = list(nodes)
+    if batch_host in ordered:
+        ordered.remove(batch_host)
+        ordered.insert(0, batch_host)
+    return ordered

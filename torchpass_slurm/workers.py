@@ -1,0 +1,155 @@
+"""Worker steps: one ``srun --no-kill`` step per node, as the supervisor sees it.
+
+A :class:`WorkerStep` is the supervisor's handle on one node's step: the srun
+process, the control-plane senders of its tasks (``NODE/LOCALID``), the last
+heartbeat and step each reported. :class:`StepLauncher` starts steps with the
+environment of ``docs/design/runtime-contract.md`` and stops them with a
+bounded wait. Nothing here decides anything; :mod:`.supervisor` does.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import signal
+import subprocess
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from torchpass_slurm import config as cfg
+from torchpass_slurm.membership import Membership
+from torchpass_slurm.slurm import SlurmBackend
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerState(str, enum.Enum):
+    """Life of one node's step.
+
+    ::
+
+        STARTING ──hello──► RUNNING ──exit 0──► EXITED
+           │   └──standby──► STANDBY ──promote──► RUNNING
+           └──────── exit≠0 / heartbeat lost / node down ──► LOST
+        any ──supervisor stops it──► STOPPING ──► EXITED
+    """
+
+    STARTING = "starting"
+    RUNNING = "running"
+    STANDBY = "standby"
+    STOPPING = "stopping"
+    EXITED = "exited"
+    LOST = "lost"
+
+
+@dataclass
+class WorkerStep:
+    """The supervisor's handle on one node's step."""
+
+    node: str
+    role: str
+    epoch: int
+    ntasks: int
+    process: subprocess.Popen[bytes]
+    started: float
+    state: WorkerState = WorkerState.STARTING
+    #: control-plane sender -> last heartbeat time
+    heartbeats: dict[str, float] = field(default_factory=dict)
+    standby_senders: set[str] = field(default_factory=set)
+    last_step: int | None = None
+    exit_code: int | None = None
+
+    @property
+    def last_heartbeat(self) -> float | None:
+        return min(self.heartbeats.values()) if len(self.heartbeats) >= self.ntasks else None
+
+    def all_standby(self) -> bool:
+        return len(self.standby_senders) >= self.ntasks
+
+    def poll(self) -> int | None:
+        """The srun exit code once the step has ended, else None."""
+        if self.exit_code is None:
+            self.exit_code = self.process.poll()
+        return self.exit_code
+
+    def seen(self, sender: str, now: float, step: int | None = None) -> None:
+        self.heartbeats[sender] = now
+        if step is not None and (self.last_step is None or step > self.last_step):
+            self.last_step = step
+
+    def silent_for(self, now: float) -> float | None:
+        """Seconds since the stalest task of this step was heard from (None: not all heard yet)."""
+        hb = self.last_heartbeat
+        return None if hb is None else now - hb
+
+
+def master_port(job_id: int, epoch: int) -> int:
+    """The rendezvous port of an epoch: a new one every epoch, spread by job id."""
+    return 20000 + (job_id * 97) % 20000 + epoch % 1000
+
+
+class StepLauncher:
+    """Starts and stops the per-node steps of one job."""
+
+    def __init__(self, slurm: SlurmBackend, *, job_id: int, command: Sequence[str],
+                 control_endpoint: str, base_env: Mapping[str, str]) -> None:
+        self.slurm = slurm
+        self.job_id = job_id
+        self.command = tuple(command)
+        self.control_endpoint = control_endpoint
+        self.base_env = dict(base_env)
+
+    def launch(self, node: str, membership: Membership) -> WorkerStep:
+        role = membership.role_of(node)
+        env = dict(self.base_env)
+        env.update({
+            cfg.ENV_JOB_ID: str(self.job_id),
+            cfg.ENV_CONTROL: self.control_endpoint,
+            cfg.ENV_NODE: node,
+            cfg.ENV_ROLE: role,
+            cfg.ENV_EPOCH: str(membership.epoch),
+            cfg.ENV_NTASKS_PER_NODE: str(membership.ntasks_per_node),
+        })
+        if role == "active":
+            env.update({
+                cfg.ENV_RANK_BASE: str(membership.rank_base(node)),
+                "WORLD_SIZE": str(membership.world_size),
+                "MASTER_ADDR": membership.node_of_rank(0),
+                "MASTER_PORT": str(master_port(self.job_id, membership.epoch)),
+            })
+        process = self.slurm.launch_step(
+            self.command, node=node, ntasks=membership.ntasks_per_node,
+            job_name=f"tp-{role}-{node}-e{membership.epoch}",
+            extra_args=("--kill-on-bad-exit=0",), env=env)
+        logger.info("launched %s step on %s (epoch %d, pid %d)", role, node, membership.epoch,
+                    process.pid)
+        return WorkerStep(node=node, role=role, epoch=membership.epoch,
+                          ntasks=membership.ntasks_per_node, process=process,
+                          started=time.time())
+
+    @staticmethod
+    def stop(steps: Iterable[WorkerStep], timeout: float) -> None:
+        """SIGTERM every step's srun (srun forwards it to the tasks); SIGKILL after ``timeout``."""
+        pending = [s for s in steps if s.poll() is None]
+        for s in pending:
+            s.state = WorkerState.STOPPING
+            _signal(s.process, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for s in pending:
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                s.process.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                logger.warning("step on %s did not stop within %.0f s; killing srun", s.node, timeout)
+                _signal(s.process, signal.SIGKILL)
+                s.process.wait()
+            s.poll()
+            s.state = WorkerState.EXITED
+
+
+def _signal(process: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        process.send_signal(sig)
+    except ProcessLookupError:
+        pass
