@@ -1,0 +1,96 @@
+"""A supervisor wired to the fakes, on a virtual clock: ``make(active=3, spares=1)``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torchpass_slurm import events as ev
+from torchpass_slurm import supervisor as sup_mod
+from torchpass_slurm import workers as workers_mod
+from torchpass_slurm.config import SupervisorConfig
+from torchpass_slurm.control import messages as msg
+from torchpass_slurm.membership import Membership
+from torchpass_slurm.status import JobStatus, read_status
+from torchpass_slurm.supervisor import RunResult, Supervisor
+
+from .fakes import FakeLauncher, FakeServer, FakeSlurm, VirtualClock, World
+
+JOB_ID = 4242
+#: Small timings, so that every scenario plays out in well under a minute of virtual time.
+CONFIG = SupervisorConfig(heartbeat_interval=0.5, heartbeat_timeout=5, fault_settle=2,
+                          silence_threshold=1.5, slurm_poll_interval=1, startup_timeout=10,
+                          stop_timeout=1, lost_stop_timeout=0.5)
+
+
+@dataclass
+class Harness:
+    clock: VirtualClock
+    slurm: FakeSlurm
+    server: FakeServer
+    world: World
+    launcher: FakeLauncher
+    supervisor: Supervisor
+    run_dir: Path
+
+    def run(self) -> RunResult:
+        try:
+            return self.supervisor.run()
+        finally:
+            self.supervisor.events.close()
+
+    def events(self) -> list[ev.Event]:
+        return ev.read_events(self.run_dir / ev.EVENTS_FILE)
+
+    def kinds(self) -> list[str]:
+        return [e.kind for e in self.events()]
+
+    def of_kind(self, kind: str) -> list[ev.Event]:
+        return [e for e in self.events() if e.kind == kind]
+
+    def promotes(self) -> list[dict[str, Any]]:
+        """The bodies of every PROMOTE sent, with the sender name they went to."""
+        return [{"to": self._sender_of(s.peer), **s.message.body}
+                for s in self.server.sent_of(msg.PROMOTE)]
+
+    def stopped_senders(self) -> list[str]:
+        return [self._sender_of(s.peer) for s in self.server.sent_of(msg.STOP)]
+
+    def launches(self) -> list[tuple[str, str, int]]:
+        """(node, role, epoch) of every step launched, in order."""
+        return [(l.node, l.role, l.epoch) for l in self.slurm.launches]
+
+    def status(self) -> JobStatus:
+        return read_status(self.run_dir)
+
+    @staticmethod
+    def _sender_of(peer: bytes) -> str:
+        return peer.decode().split("#")[0]
+
+
+@pytest.fixture
+def make(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Harness]:
+    def build(*, active: int = 3, spares: int = 1, ntasks: int = 1, train_s: float | None = 8.0,
+              config: SupervisorConfig = CONFIG) -> Harness:
+        clock = VirtualClock()
+        monkeypatch.setattr(sup_mod, "time", clock)
+        monkeypatch.setattr(workers_mod, "time", clock)
+        nodes = [f"c{i}" for i in range(1, active + spares + 1)]
+        slurm = FakeSlurm(clock, nodes)
+        server = FakeServer(clock)
+        world = World(clock, server, slurm, train_s=train_s)
+        launcher = FakeLauncher(slurm, job_id=JOB_ID)
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        events = ev.EventLog(run_dir / ev.EVENTS_FILE, job=str(JOB_ID), clock=clock.time)
+        supervisor = Supervisor(job_id=JOB_ID, run_dir=run_dir,
+                                membership=Membership.initial(nodes, active, ntasks),
+                                launcher=launcher, server=server, slurm=slurm,  # type: ignore[arg-type]
+                                events=events, config=config)
+        return Harness(clock, slurm, server, world, launcher, supervisor, run_dir)
+
+    return build
