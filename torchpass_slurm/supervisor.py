@@ -35,6 +35,7 @@ from torchpass_slurm import events as ev
 from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.control.server import ControlServer
+from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.membership import Membership, NoSpareError
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.slurm.models import Node
@@ -127,17 +128,19 @@ class Supervisor:
 
     # -- messages ----------------------------------------------------------
     def _pump(self, timeout: timedelta) -> None:
+        received = self.server.poll(timeout)
         now = time.time()
-        for _peer, m in self.server.poll(timeout):
+        for _peer, m in received:
             node = m.sender.rsplit("/", 1)[0]
             step = self.steps.get(node)
             if step is None or step.state in (WorkerState.STOPPING, WorkerState.EXITED):
                 continue
             if m.kind == msg.HELLO:
-                if m.body.get("epoch", step.epoch) != self.membership.epoch:
-                    continue  # a straggler of an older epoch
+                if m.body.get("epoch", step.epoch) != step.epoch:
+                    continue  # a straggler of an older launch on this node
                 step.seen(m.sender, now)
-                if len(step.heartbeats) >= step.ntasks and step.state == WorkerState.STARTING:
+                step.hello_senders.add(m.sender)
+                if len(step.hello_senders) >= step.ntasks and step.state == WorkerState.STARTING:
                     step.state = WorkerState.RUNNING
                     self.events.append(ev.WORKER_UP, node=node, role=step.role,
                                        ranks=list(self.membership.ranks_of(node)))
@@ -261,8 +264,8 @@ class Supervisor:
     def _record(self, fault: Fault) -> None:
         step = self.steps[fault.node]
         step.state = WorkerState.LOST
-        kind = {"heartbeat_lost": ev.HEARTBEAT_LOST, "node_down": ev.NODE_DOWN,
-                "node_gone": ev.NODE_DOWN}.get(fault.kind, ev.STEP_EXITED)
+        kind = {"heartbeat_lost": ev.HEARTBEAT_LOST, "startup_timeout": ev.HEARTBEAT_LOST,
+                "node_down": ev.NODE_DOWN, "node_gone": ev.NODE_DOWN}.get(fault.kind, ev.STEP_EXITED)
         self.events.append(kind, node=fault.node, role=step.role, detector=fault.kind,
                            detail=fault.detail, exit_code=fault.exit_code)
         logger.warning("fault: %s", fault.detail)
@@ -308,16 +311,25 @@ class Supervisor:
         step.epoch = m.epoch
         step.state = WorkerState.STARTING
         step.heartbeats.clear()
+        step.hello_senders.clear()
         step.started = time.time()
         for sender in sorted(step.standby_senders):
             local = int(sender.rsplit("/", 1)[1])
-            peer = self.server.peer_of(sender)
-            if peer is None:
-                continue  # detected as a startup timeout if it never says hello
-            self.server.send(peer, msg.PROMOTE, {
+            self._send(sender, msg.PROMOTE, {
                 "rank": m.rank_base(node) + local, "local_rank": local,
                 "world_size": m.world_size, "master_addr": m.node_of_rank(0),
                 "master_port": master_port(self.job_id, m.epoch), "epoch": m.epoch})
+
+    def _send(self, sender: str, kind: str, body: dict[str, object]) -> None:
+        """Best effort: a worker that is gone is found by the detectors, not here."""
+        peer = self.server.peer_of(sender)
+        if peer is None:
+            logger.warning("cannot send %s to %s: never connected", kind, sender)
+            return
+        try:
+            self.server.send(peer, kind, body)
+        except ControlPlaneError as err:
+            logger.warning("cannot send %s to %s: %s", kind, sender, err)
 
     # -- the end -----------------------------------------------------------
     def _all_active_exited_ok(self) -> bool:
@@ -330,9 +342,7 @@ class Supervisor:
             if step is None:
                 continue
             for sender in step.standby_senders:
-                peer = self.server.peer_of(sender)
-                if peer is not None:
-                    self.server.send(peer, msg.STOP, {"reason": message})
+                self._send(sender, msg.STOP, {"reason": message})
         self.launcher.stop(self.steps.values(), self.config.stop_timeout)
         self.state, self._exit_code, self.message = state, exit_code, message
         kind = ev.FINISHED if state == RunState.SUCCEEDED else ev.FAILED

@@ -57,6 +57,7 @@ class WorkerStep:
     #: control-plane sender -> last heartbeat time
     heartbeats: dict[str, float] = field(default_factory=dict)
     standby_senders: set[str] = field(default_factory=set)
+    hello_senders: set[str] = field(default_factory=set)
     last_step: int | None = None
     exit_code: int | None = None
 
@@ -133,7 +134,8 @@ class StepLauncher:
         """SIGTERM every step's srun (srun forwards it to the tasks); SIGKILL after ``timeout``."""
         pending = [s for s in steps if s.poll() is None]
         for s in pending:
-            s.state = WorkerState.STOPPING
+            if s.state != WorkerState.LOST:
+                s.state = WorkerState.STOPPING
             _signal(s.process, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for s in pending:
@@ -145,7 +147,8 @@ class StepLauncher:
                 _signal(s.process, signal.SIGKILL)
                 s.process.wait()
             s.poll()
-            s.state = WorkerState.EXITED
+            if s.state == WorkerState.STOPPING:
+                s.state = WorkerState.EXITED
 
 
 def _signal(process: subprocess.Popen[bytes], sig: int) -> None:

@@ -95,8 +95,6 @@ def test_silence_alone_is_detected_after_the_heartbeat_timeout(make: Callable[..
     assert h.promotes()[0]["rank"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="supervisor._handle records LOST, then StepLauncher.stop "
-                   "overwrites it with EXITED, so status.json shows a lost node as 'exited'")
 def test_status_shows_a_silent_node_as_lost(make: Callable[..., Harness]) -> None:
     h = make(active=3, spares=1)
     h.world.go_silent("c2", at=2.0)
@@ -174,8 +172,6 @@ def test_a_dead_node_without_spare_fails_with_status_1(make: Callable[..., Harne
     assert "no hot spare left" in result.message
 
 
-@pytest.mark.xfail(strict=True, reason="_pump fences hellos by the membership epoch, which "
-                   "drop_spare bumps, so a step launched at the previous epoch can never say hello")
 def test_a_spare_lost_while_an_active_node_starts_does_not_blame_it(make: Callable[..., Harness]) -> None:
     h = make(active=3, spares=1)
     h.world.hello_delay["c3"] = 5.0  # c3 is slow to import; c4 dies meanwhile
@@ -188,8 +184,6 @@ def test_a_spare_lost_while_an_active_node_starts_does_not_blame_it(make: Callab
     assert (result.state, result.restarts) == (RunState.SUCCEEDED, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="_promote lets ControlPlaneError from server.send escape: "
-                   "a spare whose task has disconnected crashes the supervisor")
 def test_a_spare_gone_at_promotion_does_not_crash_the_supervisor(make: Callable[..., Harness]) -> None:
     h = make(active=3, spares=2)
     h.world.crash("c2", 137, at=3.0)
@@ -201,8 +195,6 @@ def test_a_spare_gone_at_promotion_does_not_crash_the_supervisor(make: Callable[
     assert h.supervisor.membership.active == ("c1", "c5", "c3")
 
 
-@pytest.mark.xfail(strict=True, reason="_finish lets ControlPlaneError from server.send escape: "
-                   "a finished training is reported FAILED and run() raises")
 def test_a_spare_gone_at_the_end_does_not_fail_a_finished_training(make: Callable[..., Harness]) -> None:
     h = make(active=2, spares=1)
 
@@ -217,8 +209,6 @@ def test_a_spare_gone_at_the_end_does_not_fail_a_finished_training(make: Callabl
     assert (result.state, result.exit_code) == (RunState.SUCCEEDED, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="_pump counts any sender seen (heartbeats too) towards "
-                   "'every task said hello'; a promoted spare's last standby heartbeat counts as a hello")
 def test_a_promoted_spare_is_up_only_when_every_task_said_hello(make: Callable[..., Harness]) -> None:
     h = make(active=2, spares=1, ntasks=2)
     h.world.crash("c2", 137, at=2.0)
