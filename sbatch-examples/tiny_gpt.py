@@ -253,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     if world > 1:
         import torch.distributed as dist
 
+        # Leave together: rank 0 hosts the rendezvous store, and a rank that
+        # tears its group down after the store's host has exited can abort.
+        dist.barrier()
         dist.destroy_process_group()
     rt.close()
     return 0
