@@ -73,6 +73,13 @@ SPARE_LOST = "spare_lost"  # a spare died on standby
 RESTARTED = "restarted"  # fell back to checkpoint-restart
 FINISHED = "finished"  # the training ended successfully
 FAILED = "failed"  # the job gave up
+# live migration (docs/protocol.md, "Recovery"); the fields each carries are listed there
+MIGRATION_STARTED = "migration_started"  # supervisor: failed nodes -> spares, new epoch announced
+GROUP_REBUILT = "group_rebuilt"  # a rank: the new epoch's process group is up (seconds=)
+AGREEMENT = "agreement"  # rank 0: the committed step every rank now holds (committed_step=)
+TRANSFER_DONE = "transfer_done"  # a receiver: state received (donor=, bytes=, seconds=, retries=)
+FIRST_STEP = "first_step"  # rank 0: the first step of the new epoch committed (step=)
+MIGRATION_DONE = "migration_done"  # supervisor: resolution=live|checkpoint|elastic|fatal, lost_steps=
 LOG_REPAIRED = "log_repaired"  # a torn line before this one was left by a crash
 
 #: Keys every line has; an event's own fields may not use them.
