@@ -21,13 +21,15 @@ garbage. An unparsable line anywhere else is an error.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import fcntl
 import json
 import logging
 import os
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,8 +170,9 @@ class EventLog:
         if self._fd < 0:
             raise EventLogError(f"the event log {self.path} is closed")
         try:
-            written = os.write(self._fd, line)  # one write: O_APPEND keeps it whole
-            os.fsync(self._fd)  # os.write is unbuffered; fsync makes it durable
+            with _locked(self._fd):
+                written = os.write(self._fd, line)  # one write: O_APPEND keeps it whole
+                os.fsync(self._fd)  # os.write is unbuffered; fsync makes it durable
         except OSError as exc:
             raise EventLogError(f"cannot write to the event log {self.path}: {exc.strerror}") from None
         if written != len(line):
@@ -178,16 +181,31 @@ class EventLog:
             )
 
     def _repair_torn_tail(self) -> None:
-        size = os.fstat(self._fd).st_size
-        if size == 0:
-            return
-        with open(self.path, "rb") as f:
-            f.seek(size - 1)
-            if f.read(1) == b"\n":
+        # Under the lock, so that another appender's write in progress is never
+        # mistaken for a line torn by a crash.
+        with _locked(self._fd):
+            size = os.fstat(self._fd).st_size
+            if size == 0:
                 return
-        logger.warning("event log %s ends in a torn line (a crash mid-write); marking it", self.path)
-        repaired = Event(self._clock(), LOG_REPAIRED, self.job, self.epoch, {})
-        self._write(b"\n" + repaired.to_line())
+            with open(self.path, "rb") as f:
+                f.seek(size - 1)
+                if f.read(1) == b"\n":
+                    return
+            logger.warning("event log %s ends in a torn line (a crash mid-write); marking it",
+                           self.path)
+            repaired = Event(self._clock(), LOG_REPAIRED, self.job, self.epoch, {})
+            os.write(self._fd, b"\n" + repaired.to_line())
+            os.fsync(self._fd)
+
+
+@contextlib.contextmanager
+def _locked(fd: int) -> Iterator[None]:
+    """An exclusive advisory lock on the log while one line is checked or written."""
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def read_events(path: Path) -> list[Event]:
