@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "hostlist": ("torchpass_slurm.cli.hostlist", "hostlist", "Expand or compress a Slurm hostlist."),
     "status": ("torchpass_slurm.cli.status", "status", "Show a job's nodes, roles, ranks and heartbeats."),
     "events": ("torchpass_slurm.cli.events", "events", "Show a job's event log (faults, promotions, restarts)."),
+    "report": ("torchpass_slurm.cli.report", "report",
+               "Show a job's faults, how each was resolved, the recovery times."),
     "run": ("torchpass_slurm.cli.run", "run",
             "Run a command on the job's nodes under the supervisor (the drop-in for srun)."),
 }

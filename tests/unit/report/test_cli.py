@@ -1,0 +1,161 @@
+"""`tp report`: the full text (one job, several jobs with totals), the JSON, and the errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tests.unit.cli.conftest import tp
+
+from .conftest import checkpoint_restart, fatal, two_live_migrations
+
+RULES = """\
+A fault is the first detection (heartbeat_lost, node_down, step_exited with exit code != 0) of an
+active node; more detections of that node in one recovery count once. Resolution:
+migration_done.resolution, else restarted from a checkpoint -> checkpoint, else failed -> fatal.
+Phases (s): detect = last heartbeat -> detected, decide = -> migration_started, rebuild = -> last
+group_rebuilt, agree = -> agreement, transfer = -> last transfer_done, first step = -> first_step;
+total = detected -> first_step; - = not in the log. Lost = committed steps lost
+(migration_done.lost_steps), unknown when the log does not say; lost and recomputed steps are per
+recovery. No lost progress = lost == 0, over all active-node faults. Spare faults cost no progress.
+Times are UTC.
+"""
+
+HEADER = ("#   TIME       NODE   DETECTOR         RESOLUTION   LOST   RECOMPUTED   DETECT   DECIDE   REBUILD"
+          "   AGREE   TRANSFER   FIRST STEP   TOTAL")
+
+
+def test_two_live_migrations(job_log: Any) -> None:
+    log = two_live_migrations(job_log())
+    log.at(62.0, "spare_lost", node="s9", spares_left=0)  # after the end, to show the spare line
+    assert tp("report", str(log.run_dir)) == (0, f"""\
+job 4242  {log.run_dir}
+{HEADER}
+{"─" * len(HEADER)}
+1   05:06:17   n2     heartbeat_lost   live            0            0     3.00     0.50      0.75    0.25       1.00         0.50    3.00
+2   05:06:47   n3     node_down        live            0            3     2.00     0.25      0.75    0.25       1.00         0.50    2.75
+2 of 2 faults resolved by live migration with 0 committed steps lost (100% with no lost progress)
+1 spare lost on standby (no progress lost): s9 (spare_lost)
+
+{RULES}""", "")
+
+
+def test_several_jobs_with_totals(job_log: Any) -> None:
+    a = two_live_migrations(job_log("a", "4242"))
+    b = checkpoint_restart(job_log("b", "4243"))
+    c = fatal(job_log("c", "4244"))
+    outcome = tp("report", str(a.run_dir), str(b.run_dir), str(c.run_dir))
+    assert outcome.code == 0
+    assert outcome.err == ""
+    sections = outcome.out.split("\n\n")
+    assert [s.splitlines()[0] for s in sections] == [
+        f"job 4242  {a.run_dir}", f"job 4243  {b.run_dir}", f"job 4244  {c.run_dir}", "totals",
+        RULES.splitlines()[0]]
+    assert sections[1].splitlines()[3:] == [
+        "1   05:06:17   n2     heartbeat_lost   checkpoint   unknown      unknown        -        -         -"
+        "       -          -            -       -",
+        "1 of 1 fault resolved by checkpoint restart with an unknown number of committed steps lost "
+        "(0% with no lost progress)"]
+    assert sections[2].splitlines()[3:] == [
+        "1   05:06:12   n1     node_down   fatal        unknown      unknown        -        -         -"
+        "       -          -            -       -",
+        "1 of 1 fault was fatal (0% with no lost progress)"]
+    assert sections[3] == """\
+totals
+RESOLUTION   FAULTS   RECOVERIES      LOST   RECOMPUTED
+───────────────────────────────────────────────────────
+live              2            2         0            3
+checkpoint        1            1   unknown      unknown
+fatal             1            1   unknown      unknown
+2 of 4 faults resolved by live migration with 0 committed steps lost; 1 resolved by checkpoint \
+restart with an unknown number of committed steps lost; 1 was fatal (50% with no lost progress)"""
+
+
+def test_a_job_without_faults(job_log: Any) -> None:
+    log = job_log()
+    log.started(["n1"], [])
+    log.at(5.0, "step_exited", node="n1", exit_code=0)
+    assert tp("report", str(log.run_dir)) == (0, f"""\
+job 4242  {log.run_dir}
+no faults on active nodes
+
+{RULES}""", "")
+
+
+def test_json_of_one_job(job_log: Any) -> None:
+    log = two_live_migrations(job_log())
+    code, out, err = tp("report", str(log.run_dir), "--json")
+    assert (code, err) == (0, "")
+    document = json.loads(out)
+    assert document["job"] == "4242"
+    assert document["run_dir"] == str(log.run_dir)
+    assert document["spare_faults"] == []
+    assert document["faults"][1] == {
+        "index": 2, "time": 1741064807.0, "node": "n3", "kind": "node_down", "detector": "node_down",
+        "detail": "n3 failed", "exit_code": None, "recovery": 2, "resolution": "live", "lost_steps": 0,
+        "recomputed_steps": 3,
+        "phases": {"detection": 2.0, "decision": 0.25, "rebuild": 0.75, "agreement": 0.25, "transfer": 1.0,
+                   "first_step": 0.5, "total": 2.75},
+    }
+    assert document["summary"] == {
+        "faults": 2, "no_lost_progress": 2, "no_lost_progress_share": 1.0, "recoveries": 2,
+        "lost_steps": 0, "lost_steps_unknown": 0, "recomputed_steps": 3, "recomputed_steps_unknown": 0,
+        "spare_faults": 0,
+        "by_resolution": {"live": {"faults": 2, "recoveries": 2, "lost_steps": 0, "lost_steps_unknown": 0,
+                                   "recomputed_steps": 3, "recomputed_steps_unknown": 0}},
+        "text": "2 of 2 faults resolved by live migration with 0 committed steps lost (100% with no lost progress)",
+    }
+
+
+def test_json_of_several_jobs(job_log: Any) -> None:
+    a = two_live_migrations(job_log("a", "4242"))
+    c = fatal(job_log("c", "4244"))
+    code, out, err = tp("report", str(a.run_dir), str(c.run_dir), "--json")
+    assert (code, err) == (0, "")
+    document = json.loads(out)
+    assert [job["job"] for job in document["jobs"]] == ["4242", "4244"]
+    assert document["totals"]["by_resolution"] == {
+        "live": {"faults": 2, "recoveries": 2, "lost_steps": 0, "lost_steps_unknown": 0,
+                 "recomputed_steps": 3, "recomputed_steps_unknown": 0},
+        "fatal": {"faults": 1, "recoveries": 1, "lost_steps": None, "lost_steps_unknown": 1,
+                  "recomputed_steps": None, "recomputed_steps_unknown": 1},
+    }
+    assert (document["totals"]["faults"], document["totals"]["no_lost_progress_share"]) == (3, 0.6667)
+
+
+def test_a_missing_run_dir(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    assert tp("report", str(missing)) == (1, "", (
+        f"error: '{missing}' is neither a folder nor a Slurm job id\n"
+        "  hint: pass a job id (e.g. 4242) or the job's run folder\n"))
+
+
+def test_a_folder_that_is_not_a_run_dir(tmp_path: Path) -> None:
+    assert tp("report", str(tmp_path)) == (1, "", (
+        f"error: {tmp_path} is a folder but not a torchpass run folder (it has no status.json and no "
+        "events.jsonl)\n  hint: pass the run folder tp-submit printed, or the job id\n"))
+
+
+def test_a_run_dir_without_an_event_log(tmp_path: Path) -> None:
+    (tmp_path / "status.json").write_text("{}")
+    assert tp("report", str(tmp_path)) == (1, "", (
+        f"error: cannot read the event log {tmp_path}/events.jsonl: No such file or directory\n"))
+
+
+def test_one_bad_run_dir_among_several_prints_nothing(job_log: Any, tmp_path: Path) -> None:
+    log = two_live_migrations(job_log())
+    code, out, _ = tp("report", str(log.run_dir), str(tmp_path / "nowhere"))
+    assert (code, out) == (1, "")
+
+
+def test_a_run_dir_is_required() -> None:
+    code, out, err = tp("report")
+    assert (code, out) == (2, "")
+    assert "Missing argument 'JOB_OR_RUN_DIR...'" in err
+
+
+def test_listed_in_tp_help() -> None:
+    code, out, _ = tp("--help")
+    assert code == 0
+    assert "report    Show a job's faults, how each was resolved, the recovery times." in out

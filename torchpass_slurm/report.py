@@ -1,0 +1,578 @@
+"""Faults and recoveries, read back from a job's event log (``tp report``).
+
+Pure: :func:`analyse` turns a list of :class:`~torchpass_slurm.events.Event`
+into a :class:`JobReport`; :func:`summarise` totals several; the ``*_json``
+functions and :func:`summary_line` give the machine and human forms. Nothing
+here reads files or imports rich (the command in :mod:`torchpass_slurm.cli.report` does).
+
+The rules (also printed under the table, :data:`RULES`):
+
+* **Fault.** One detection event -- ``heartbeat_lost``, ``node_down``, or
+  ``step_exited`` with an ``exit_code`` other than 0 (0 is a rank's normal
+  end) -- on an *active* node. Detections of the same node within one
+  recovery, or later ones of a node that failed and has not rejoined (echoes:
+  its step exits after its heartbeats were lost), count once; the first
+  one's ``ts`` is the detection time. Detections on a spare, and
+  ``spare_lost``, are *spare faults*: counted apart, they cost no progress.
+  A role missing from the event is taken from the membership the log shows
+  (``started``' ``spares``, less the promoted ones; a lost spare stays a spare).
+* **Recovery.** Opened by the first fault while none is open; more faults
+  before it ends join it (and share its outcome). It ends at
+  ``migration_done``, ``restarted``, ``failed`` or ``finished``. Migration
+  events (``group_rebuilt``, ``agreement``, ``transfer_done``,
+  ``first_step``, ``migration_done``) belong to the recovery whose
+  ``migration_started`` has their epoch, else to the open one.
+* **Resolution.** ``migration_done.resolution`` (live | checkpoint | elastic |
+  fatal) if present; else ``restarted`` with ``from_checkpoint`` ->
+  checkpoint; else a ``failed`` event while the recovery is open -> fatal;
+  else unresolved.
+* **Phases** (seconds), consecutive intervals between these marks::
+
+      last heartbeat --detection--> detected --decision--> migration_started
+          --rebuild--> group_rebuilt --agreement--> agreement
+          --transfer--> transfer_done --first_step--> first_step
+
+  ``group_rebuilt`` and ``transfer_done`` are the *last* of the migration (the
+  group is up, the state is in place, when the last rank says so);
+  ``agreement`` and ``first_step`` the first. ``last_heartbeat`` comes from
+  ``migration_started`` (a number, or ``{node: ts}``). total = first_step -
+  detected. A phase whose either end is not in the log, or whose end comes
+  before its start (a fault detected after its recovery began), is null:
+  never an invented number.
+* **Steps.** Committed steps lost and steps recomputed come from
+  ``migration_done`` (``lost_steps``, ``recomputed_steps``); without it they
+  are unknown (null). They are per recovery: totals add each recovery once,
+  however many faults it handled. A fault with *no lost progress* is one whose
+  recovery has ``lost_steps == 0``; its share is taken over all active-node
+  faults (a fault whose loss is unknown is not one with no lost progress).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import astuple, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from torchpass_slurm import events as ev
+from torchpass_slurm.events import Event
+
+__all__ = [
+    "PHASES",
+    "RESOLUTIONS",
+    "RULES",
+    "ClassTotals",
+    "Fault",
+    "JobReport",
+    "Phases",
+    "SpareFault",
+    "Summary",
+    "analyse",
+    "format_seconds",
+    "format_steps",
+    "format_time",
+    "is_detection",
+    "job_json",
+    "report_json",
+    "spare_line",
+    "summarise",
+    "summary_json",
+    "summary_line",
+]
+
+#: Detection kinds (``step_exited`` only with a non-zero exit code).
+DETECTION_KINDS = frozenset({ev.HEARTBEAT_LOST, ev.NODE_DOWN, ev.STEP_EXITED})
+#: Events that end the open recovery.
+CLOSING_KINDS = frozenset({ev.MIGRATION_DONE, ev.RESTARTED, ev.FAILED, ev.FINISHED})
+#: Phase names, in order; ``total`` is kept apart.
+PHASES = ("detection", "decision", "rebuild", "agreement", "transfer", "first_step")
+#: Resolution classes, in the order they are reported; None is "unresolved".
+RESOLUTIONS: tuple[str | None, ...] = ("live", "checkpoint", "elastic", "fatal", None)
+#: How each resolution reads in the summary line.
+RESOLUTION_PHRASES: Mapping[str | None, str] = {
+    "live": "resolved by live migration",
+    "checkpoint": "resolved by checkpoint restart",
+    "elastic": "resolved by continuing on fewer nodes",
+    "fatal": "was fatal",
+    None: "is unresolved in the log",
+}
+#: Classes whose summary leaves out the lost steps when none is known (there is nothing to say).
+QUIET_WHEN_UNKNOWN = frozenset({"fatal", None})
+
+#: The footnote printed under every human report.
+RULES = (
+    "A fault is the first detection (heartbeat_lost, node_down, step_exited with exit code != 0) of an "
+    "active node; more detections of that node in one recovery count once. Resolution: "
+    "migration_done.resolution, else restarted from a checkpoint -> checkpoint, else failed -> fatal. "
+    "Phases (s): detect = last heartbeat -> detected, decide = -> migration_started, rebuild = -> last "
+    "group_rebuilt, agree = -> agreement, transfer = -> last transfer_done, first step = -> first_step; "
+    "total = detected -> first_step; - = not in the log. Lost = committed steps lost "
+    "(migration_done.lost_steps), unknown when the log does not say; lost and recomputed steps are per "
+    "recovery. No lost progress = lost == 0, over all active-node faults. Spare faults cost no progress. "
+    "Times are UTC."
+)
+
+
+# --- results ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Phases:
+    """The recovery-time split of one fault, in seconds; None where the log lacks an end."""
+
+    detection: float | None = None
+    decision: float | None = None
+    rebuild: float | None = None
+    agreement: float | None = None
+    transfer: float | None = None
+    first_step: float | None = None
+    total: float | None = None
+
+    def as_dict(self) -> dict[str, float | None]:
+        """Every phase and ``total``, rounded to milliseconds."""
+        names = (*PHASES, "total")
+        return {name: _round(getattr(self, name)) for name in names}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault of an active node and how its recovery went."""
+
+    ts: float
+    node: str
+    kind: str
+    detector: str
+    detail: str
+    exit_code: int | None
+    recovery: int
+    resolution: str | None
+    lost_steps: int | None
+    recomputed_steps: int | None
+    phases: Phases
+
+
+@dataclass(frozen=True)
+class SpareFault:
+    """A spare that failed on standby (no progress lost)."""
+
+    ts: float
+    node: str
+    detector: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class JobReport:
+    """The faults of one job's event log."""
+
+    job: str
+    source: str
+    faults: tuple[Fault, ...]
+    spare_faults: tuple[SpareFault, ...]
+
+
+@dataclass(frozen=True)
+class ClassTotals:
+    """Totals of one resolution class. Step sums are over recoveries, of the known values."""
+
+    faults: int = 0
+    recoveries: int = 0
+    lost_steps: int = 0
+    lost_steps_unknown: int = 0
+    recomputed_steps: int = 0
+    recomputed_steps_unknown: int = 0
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Totals over one or more jobs."""
+
+    faults: int
+    no_lost_progress: int
+    spare_faults: int
+    by_resolution: Mapping[str | None, ClassTotals]
+
+    @property
+    def share_no_lost_progress(self) -> float | None:
+        """no_lost_progress / faults; None without faults."""
+        return self.no_lost_progress / self.faults if self.faults else None
+
+    @property
+    def overall(self) -> ClassTotals:
+        """The sum of every class."""
+        return _add_classes(self.by_resolution.values())
+
+
+# --- analysis -----------------------------------------------------------------
+
+
+@dataclass
+class _Recovery:
+    """What the log says of one recovery, while it is read."""
+
+    index: int
+    detections: list[Event] = field(default_factory=list)
+    started: Event | None = None
+    rebuilt: Event | None = None
+    agreement: Event | None = None
+    transfer: Event | None = None
+    first_step: Event | None = None
+    done: Event | None = None
+    restarted: Event | None = None
+    failed: Event | None = None
+
+    def resolution(self) -> str | None:
+        """migration_done's resolution, else a checkpoint restart, else fatal if the job failed."""
+        if self.done is not None and self.done.fields.get("resolution") is not None:
+            return str(self.done.fields["resolution"])
+        if self.restarted is not None and self.restarted.fields.get("from_checkpoint"):
+            return "checkpoint"
+        return "fatal" if self.failed is not None else None
+
+    def steps(self, key: str) -> int | None:
+        """A step count migration_done reports (``lost_steps``, ``recomputed_steps``), or None."""
+        value = None if self.done is None else self.done.fields.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass
+class _Reader:
+    """The state kept while the log is read in order."""
+
+    recoveries: list[_Recovery] = field(default_factory=list)
+    open: _Recovery | None = None
+    spares: set[str] = field(default_factory=set)
+    failed_nodes: set[str] = field(default_factory=set)
+    spare_faults: dict[str, SpareFault] = field(default_factory=dict)
+
+    def feed(self, event: Event) -> None:
+        """Take the next event of the log."""
+        if is_detection(event):
+            self._detection(event)
+        elif event.kind in _MIGRATION_SLOTS or event.kind == ev.MIGRATION_DONE:
+            self._migration_event(event)
+        else:
+            self._other_event(event)
+        if event.kind in CLOSING_KINDS:
+            self.open = None
+
+    def _detection(self, event: Event) -> None:
+        node = str(event.fields.get("node", ""))
+        if self.role_of(event) == "spare":
+            self.spare_faults.setdefault(node, _spare_fault(event, event.kind))
+            return
+        if node in self.failed_nodes:  # the same fault, seen again
+            return
+        self.failed_nodes.add(node)
+        if self.open is None:
+            self.open = _Recovery(index=len(self.recoveries) + 1)
+            self.recoveries.append(self.open)
+        self.open.detections.append(event)
+
+    def _migration_event(self, event: Event) -> None:
+        target = self._recovery_of_epoch(event.epoch) or self.open
+        if target is None:
+            return
+        slot = _MIGRATION_SLOTS.get(event.kind, "done")
+        keep_last = event.kind in (ev.GROUP_REBUILT, ev.TRANSFER_DONE)
+        if keep_last or getattr(target, slot) is None:
+            setattr(target, slot, event)
+
+    def _other_event(self, event: Event) -> None:
+        """Membership changes (who is a spare, who rejoined), restarts and the job's failure."""
+        fields = event.fields
+        if event.kind == ev.STARTED:
+            self.spares = {str(n) for n in fields.get("spares") or ()}
+        elif event.kind == ev.MIGRATION_STARTED:
+            self.spares -= {str(n) for n in fields.get("spares") or ()}
+            if self.open is not None and self.open.started is None:
+                self.open.started = event
+        elif event.kind in (ev.SPARE_PROMOTED, ev.WORKER_UP):
+            self.failed_nodes.discard(str(fields.get("node")))  # it is (back) in the job
+            if event.kind == ev.SPARE_PROMOTED:
+                self.spares.discard(str(fields.get("node")))
+        elif event.kind == ev.SPARE_LOST:  # stays in self.spares: a late echo is still a spare's
+            node = str(fields.get("node", ""))
+            self.spare_faults.setdefault(node, _spare_fault(event, ev.SPARE_LOST))
+        elif event.kind == ev.RESTARTED and self.open is not None:
+            self.open.restarted = event
+        elif event.kind == ev.RESTARTED:  # a late restart of a migration that fell back
+            target = self._recovery_of_epoch(event.epoch)
+            if target is not None and target.restarted is None:
+                target.restarted = event
+        elif event.kind == ev.FAILED and self.open is not None:
+            self.open.failed = event
+
+    def _recovery_of_epoch(self, epoch: int) -> _Recovery | None:
+        for recovery in reversed(self.recoveries):
+            if recovery.started is not None and recovery.started.epoch == epoch:
+                return recovery
+        return None
+
+    def role_of(self, event: Event) -> str:
+        role = event.fields.get("role")
+        if role is not None:
+            return str(role)
+        return "spare" if event.fields.get("node") in self.spares else "active"
+
+
+#: Migration kind -> the _Recovery attribute it fills.
+_MIGRATION_SLOTS: Mapping[str, str] = {
+    ev.GROUP_REBUILT: "rebuilt",
+    ev.AGREEMENT: "agreement",
+    ev.TRANSFER_DONE: "transfer",
+    ev.FIRST_STEP: "first_step",
+}
+
+
+def is_detection(event: Event) -> bool:
+    """Whether the event reports a failure (a rank's ``step_exited`` with exit code 0 does not)."""
+    if event.kind not in DETECTION_KINDS:
+        return False
+    return not (event.kind == ev.STEP_EXITED and event.fields.get("exit_code") == 0)
+
+
+def analyse(events: Iterable[Event], source: str = "") -> JobReport:
+    """The faults and spare faults of one job's events (in log order); see the module rules."""
+    events = list(events)
+    reader = _Reader()
+    for event in events:
+        reader.feed(event)
+    faults = [_fault(d, r) for r in reader.recoveries for d in r.detections]
+    job = next((e.job for e in events if e.job), "")
+    return JobReport(job=job, source=source, faults=tuple(faults),
+                     spare_faults=tuple(sorted(reader.spare_faults.values(), key=lambda s: s.ts)))
+
+
+def _spare_fault(event: Event, detector: str) -> SpareFault:
+    fields = event.fields
+    return SpareFault(ts=event.ts, node=str(fields.get("node", "")),
+                      detector=str(fields.get("detector") or detector), detail=str(fields.get("detail") or ""))
+
+
+def _fault(detection: Event, recovery: _Recovery) -> Fault:
+    fields = detection.fields
+    exit_code = fields.get("exit_code")
+    return Fault(
+        ts=detection.ts,
+        node=str(fields.get("node", "")),
+        kind=detection.kind,
+        detector=str(fields.get("detector") or detection.kind),
+        detail=str(fields.get("detail") or ""),
+        exit_code=exit_code if isinstance(exit_code, int) else None,
+        recovery=recovery.index,
+        resolution=recovery.resolution(),
+        lost_steps=recovery.steps("lost_steps"),
+        recomputed_steps=recovery.steps("recomputed_steps"),
+        phases=_phases(detection, recovery),
+    )
+
+
+def _phases(detection: Event, recovery: _Recovery) -> Phases:
+    """Consecutive intervals last heartbeat -> detected -> ... -> first_step."""
+    marks = [
+        _last_heartbeat(recovery.started, str(detection.fields.get("node", ""))),
+        detection.ts,
+        *(_ts(e) for e in (recovery.started, recovery.rebuilt, recovery.agreement,
+                           recovery.transfer, recovery.first_step)),
+    ]
+    spans = [_interval(a, b) for a, b in zip(marks, marks[1:])]
+    return Phases(*spans, total=_interval(detection.ts, marks[-1]))
+
+
+def _last_heartbeat(started: Event | None, node: str) -> float | None:
+    """The failed node's last heartbeat, from ``migration_started`` (a number or ``{node: ts}``)."""
+    if started is None:
+        return None
+    value = started.fields.get("last_heartbeat")
+    if isinstance(value, Mapping):
+        value = value.get(node)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _ts(event: Event | None) -> float | None:
+    return None if event is None else event.ts
+
+
+def _interval(start: float | None, end: float | None) -> float | None:
+    if start is None or end is None or end < start:
+        return None
+    return end - start
+
+
+# --- totals -------------------------------------------------------------------
+
+
+def summarise(reports: Iterable[JobReport]) -> Summary:
+    """Totals per resolution class over the jobs; steps count once per recovery."""
+    reports = list(reports)
+    faults = [f for r in reports for f in r.faults]
+    firsts = list({(id(r), f.recovery): f for r in reports for f in reversed(r.faults)}.values())
+    present = {f.resolution for f in faults}
+    order = [r for r in RESOLUTIONS if r in present] + sorted(present - set(RESOLUTIONS), key=str)
+    by_resolution = {
+        res: _class_totals(sum(f.resolution == res for f in faults), [f for f in firsts if f.resolution == res])
+        for res in order
+    }
+    return Summary(
+        faults=len(faults),
+        no_lost_progress=sum(f.lost_steps == 0 for f in faults),
+        spare_faults=sum(len(r.spare_faults) for r in reports),
+        by_resolution=by_resolution,
+    )
+
+
+def _class_totals(faults: int, recoveries: Sequence[Fault]) -> ClassTotals:
+    lost = [f.lost_steps for f in recoveries]
+    recomputed = [f.recomputed_steps for f in recoveries]
+    return ClassTotals(
+        faults=faults,
+        recoveries=len(recoveries),
+        lost_steps=sum(n for n in lost if n is not None),
+        lost_steps_unknown=lost.count(None),
+        recomputed_steps=sum(n for n in recomputed if n is not None),
+        recomputed_steps_unknown=recomputed.count(None),
+    )
+
+
+def _add_classes(classes: Iterable[ClassTotals]) -> ClassTotals:
+    total = ClassTotals()
+    for c in classes:
+        total = ClassTotals(*(a + b for a, b in zip(astuple(total), astuple(c))))
+    return total
+
+
+# --- text ---------------------------------------------------------------------
+
+
+def summary_line(summary: Summary) -> str:
+    """``2 of 2 faults resolved by live migration with 0 committed steps lost (100% with no lost progress)``."""
+    if not summary.faults:
+        return "no faults on active nodes"
+    noun = "fault" if summary.faults == 1 else "faults"
+    parts = []
+    for i, (resolution, totals) in enumerate(summary.by_resolution.items()):
+        head = f"{totals.faults} of {summary.faults} {noun}" if i == 0 else str(totals.faults)
+        phrase = RESOLUTION_PHRASES.get(resolution, f"resolved as {resolution}")
+        parts.append(f"{head} {phrase}{_lost_phrase(resolution, totals)}")
+    share = summary.share_no_lost_progress or 0.0
+    return "; ".join(parts) + f" ({_percent(share)} with no lost progress)"
+
+
+def spare_line(spare_faults: int) -> str | None:
+    """``1 spare lost on standby (no progress lost)``; None when no spare failed."""
+    if not spare_faults:
+        return None
+    noun = "spare" if spare_faults == 1 else "spares"
+    return f"{spare_faults} {noun} lost on standby (no progress lost)"
+
+
+def _lost_phrase(resolution: str | None, totals: ClassTotals) -> str:
+    """`` with 3 committed steps lost``; the unknown ones are said, never counted as 0."""
+    if totals.lost_steps_unknown == totals.recoveries:
+        return "" if resolution in QUIET_WHEN_UNKNOWN else " with an unknown number of committed steps lost"
+    text = f" with {totals.lost_steps} committed {'step' if totals.lost_steps == 1 else 'steps'} lost"
+    if totals.lost_steps_unknown:
+        text += f" (unknown for {totals.lost_steps_unknown} of {totals.recoveries} recoveries)"
+    return text
+
+
+def _percent(share: float) -> str:
+    return f"{math.floor(share * 100 + 0.5)}%"
+
+
+def format_time(ts: float) -> str:
+    """``05:05:36`` (UTC)."""
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%H:%M:%S")
+
+
+def format_seconds(seconds: float | None) -> str:
+    """``1.25``; None -> ``-``."""
+    return "-" if seconds is None else f"{seconds:.2f}"
+
+
+def format_steps(steps: int | None) -> str:
+    """A step count; None -> ``unknown``."""
+    return "unknown" if steps is None else str(steps)
+
+
+# --- JSON ---------------------------------------------------------------------
+
+
+def job_json(report: JobReport) -> dict[str, Any]:
+    """One job's document: ``job``, ``run_dir``, ``faults[]``, ``spare_faults[]``, ``summary{}``."""
+    return {
+        "job": report.job,
+        "run_dir": report.source,
+        "faults": [_fault_json(i, f) for i, f in enumerate(report.faults, 1)],
+        "spare_faults": [
+            {"time": _round(s.ts), "node": s.node, "detector": s.detector, "detail": s.detail}
+            for s in report.spare_faults
+        ],
+        "summary": summary_json(summarise([report])),
+    }
+
+
+def report_json(reports: Sequence[JobReport]) -> dict[str, Any]:
+    """One job: its document; several: ``{"jobs": [...], "totals": summary}``."""
+    if len(reports) == 1:
+        return job_json(reports[0])
+    return {"jobs": [job_json(r) for r in reports], "totals": summary_json(summarise(reports))}
+
+
+def summary_json(summary: Summary) -> dict[str, Any]:
+    """Counts, the no-lost-progress share, and per-class totals (``unresolved`` for None)."""
+    share = summary.share_no_lost_progress
+    overall = summary.overall
+    return {
+        "faults": summary.faults,
+        "no_lost_progress": summary.no_lost_progress,
+        "no_lost_progress_share": None if share is None else round(share, 4),
+        **_steps_json(overall),
+        "spare_faults": summary.spare_faults,
+        "by_resolution": {
+            _resolution_key(res): {"faults": totals.faults, **_steps_json(totals)}
+            for res, totals in summary.by_resolution.items()
+        },
+        "text": summary_line(summary),
+    }
+
+
+def _steps_json(totals: ClassTotals) -> dict[str, int | None]:
+    """Step sums over the recoveries that report them (null when none does), and how many do not."""
+    known = totals.recoveries - totals.lost_steps_unknown, totals.recoveries - totals.recomputed_steps_unknown
+    return {
+        "recoveries": totals.recoveries,
+        "lost_steps": totals.lost_steps if known[0] else None,
+        "lost_steps_unknown": totals.lost_steps_unknown,
+        "recomputed_steps": totals.recomputed_steps if known[1] else None,
+        "recomputed_steps_unknown": totals.recomputed_steps_unknown,
+    }
+
+
+def _fault_json(index: int, fault: Fault) -> dict[str, Any]:
+    return {
+        "index": index,
+        "time": _round(fault.ts),
+        "node": fault.node,
+        "kind": fault.kind,
+        "detector": fault.detector,
+        "detail": fault.detail,
+        "exit_code": fault.exit_code,
+        "recovery": fault.recovery,
+        "resolution": fault.resolution,
+        "lost_steps": fault.lost_steps,
+        "recomputed_steps": fault.recomputed_steps,
+        "phases": fault.phases.as_dict(),
+    }
+
+
+def _resolution_key(resolution: str | None) -> str:
+    return "unresolved" if resolution is None else resolution
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
