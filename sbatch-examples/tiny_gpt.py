@@ -40,6 +40,7 @@ try:
 except ImportError:  # running from a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from torchpass_slurm import checkpoint, runtime
+from torchpass_slurm.elastic import ElasticTrainer
 
 import torch
 import torch.nn as nn
@@ -145,6 +146,16 @@ def params_sha256(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def optim_sha256(opt: torch.optim.Optimizer) -> str:
+    """SHA-256 of the optimizer's state tensors (moments, step counts), in parameter order."""
+    h = hashlib.sha256()
+    for index, param_state in sorted(opt.state_dict()["state"].items()):
+        for key, value in sorted(param_state.items()):
+            h.update(f"{index}/{key}".encode())
+            h.update(tensor_bytes(value) if isinstance(value, torch.Tensor) else repr(value).encode())
+    return h.hexdigest()
+
+
 def mean_over_ranks(value: torch.Tensor, world: int) -> float:
     if world > 1:
         import torch.distributed as dist
@@ -194,46 +205,38 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
-    # The DDP bucket layout must not depend on where the run started (see below).
+    # The DDP bucket layout must not depend on where the run started (see ElasticTrainer).
     warnings.filterwarnings("ignore", message=".*find_unused_parameters=True.*")
 
-    rt = runtime.init()
-    world, rank = rt.world_size, rt.rank
-    if world > 1:
-        rt.init_process_group("gloo")
-
+    # Build everything before joining: a hot spare waits in rt.start() with its model built.
+    rt = runtime.Runtime.from_env()
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = TinyGPT(args.vocab, args.d_model, args.n_layers, args.n_heads, args.context, args.dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    torch.manual_seed(args.seed + 1 + rank)  # per-rank dropout stream
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        # find_unused_parameters=True keeps DDP from rebuilding its buckets after
-        # the first step, so the gradient all-reduce sums in the same order
-        # whether a run starts at step 0 or resumes at step 40: bitwise equal.
-        train_model: nn.Module = DDP(model, find_unused_parameters=True)
-    else:
-        train_model = model
+    rt.start()  # a spare blocks here until promoted
+    world, rank = rt.world_size, rt.rank
     if rank == 0:
         rt.log.info("model: %d parameters, world size %d", sum(p.numel() for p in model.parameters()), world)
 
+    state = {"train": checkpoint.TrainState(model, opt)}
+    trainer = ElasticTrainer(rt, model, opt, state=state)
+    trainer.start()  # joins the group; a spare promoted live receives the state here
     ckpt_dir = checkpoint_dir(args)
-    state = {"train": checkpoint.TrainState(model, opt), "rng": checkpoint.RNGState(rank)}
-    start = (checkpoint.load_latest(state, ckpt_dir) or 0) if ckpt_dir else 0
-    if start:
-        rt.log.info("resumed at step %d from %s", start, ckpt_dir)
+    if ckpt_dir and not trainer.received_state:
+        trainer.step = checkpoint.load_latest(state, ckpt_dir) or 0
+        if trainer.step:
+            rt.log.info("resumed at step %d from %s", trainer.step, ckpt_dir)
 
-    loss = torch.tensor(float("nan"))
-    for step in range(start, args.steps):
+    def train_step(step: int, ddp_model: nn.Module) -> torch.Tensor:
+        # Per-rank randomness (dropout) is a function of (seed, rank, step), so a
+        # spare that takes over a rank draws exactly what the lost rank would have.
+        torch.manual_seed(args.seed * 7919 + rank * 104_729 + step)
         x, y = batch(args.seed, step, rank, world, args.batch_size, args.context, args.vocab)
-        logits = train_model(x)
-        loss = F.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        done = step + 1
-        rt.report_step(done)
+        loss = F.cross_entropy(ddp_model(x).reshape(-1, args.vocab), y.reshape(-1))
+        loss.backward()  # DDP all-reduces the gradients here: the commit point
+        return loss
+
+    def on_commit(done: int, loss: torch.Tensor) -> None:
         if done % args.log_every == 0 or done == args.steps:
             mean = mean_over_ranks(loss, world)
             if rank == 0:
@@ -247,19 +250,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.step_sleep:
             time.sleep(args.step_sleep)
 
-    final_loss = mean_over_ranks(loss, world)
+    loss = trainer.fit(train_step, args.steps, on_commit)
+    final_loss = mean_over_ranks(loss if loss is not None else torch.tensor(float("nan")), world)
     if rank == 0:
-        print(f"done step={args.steps} loss={final_loss:.4f} params_sha256={params_sha256(model)}", flush=True)
-    if world > 1:
-        import torch.distributed as dist
-
-        # Leave together: rank 0 hosts the rendezvous store, and a rank that
-        # tears its group down after the store's host has exited can abort.
-        dist.barrier()
-        dist.destroy_process_group()
+        print(f"done step={args.steps} loss={final_loss:.4f} params_sha256={params_sha256(model)} "
+              f"optim_sha256={optim_sha256(opt)}", flush=True)
+    trainer.close()
     rt.close()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,6 +24,9 @@ ENV_NODE = "TORCHPASS_NODE"
 ENV_ROLE = "TORCHPASS_ROLE"
 ENV_EPOCH = "TORCHPASS_EPOCH"
 ENV_RANK_BASE = "TORCHPASS_RANK_BASE"
+#: host:port of the job's rendezvous store (a TCPStore the supervisor hosts); every
+#: epoch's process group meets under the prefix ``epoch<N>`` in it.
+ENV_STORE = "TORCHPASS_STORE"
 
 #: Timeout of one Slurm command, seconds (env TORCHPASS_SLURM_TIMEOUT).
 ENV_SLURM_TIMEOUT = "TORCHPASS_SLURM_TIMEOUT"

@@ -38,7 +38,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from enum import Enum
@@ -53,6 +55,7 @@ from torchpass_slurm.config import (
     ENV_RANK_BASE,
     ENV_ROLE,
     ENV_SECRET_FILE,
+    ENV_STORE,
     SupervisorConfig,
 )
 from torchpass_slurm.errors import ConfigError, ControlPlaneError
@@ -66,6 +69,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_PG_TIMEOUT = datetime.timedelta(minutes=5)
 #: How long :meth:`Runtime.close` waits for the heartbeat thread to say bye.
 CLOSE_TIMEOUT = datetime.timedelta(seconds=10)
+#: The heartbeat thread wakes this often to send queued reports promptly (seconds).
+OUTBOX_SLICE_S = 0.05
 
 
 class Role(str, Enum):
@@ -87,6 +92,9 @@ class RankInfo:
     master_addr: str | None
     master_port: int | None
     epoch: int = 0
+    #: the job's rendezvous store (hosted by the supervisor), when tp run gives one
+    store_addr: str | None = None
+    store_port: int | None = None
 
     def export(self, environ: MutableMapping[str, str]) -> None:
         """Write the torch.distributed ``env://`` variables into ``environ``."""
@@ -142,6 +150,7 @@ class Kinds:
 
         self.hello, self.heartbeat, self.standby, self.bye = m.HELLO, m.HEARTBEAT, m.STANDBY, m.BYE
         self.promote, self.stop = m.PROMOTE, m.STOP
+        self.report, self.reconfigure = m.REPORT, m.RECONFIGURE
 
 
 # --- environment -> RankInfo (pure) -------------------------------------------------
@@ -193,7 +202,18 @@ def active_rank_info(env: Mapping[str, str]) -> RankInfo:
         master_addr=_require(env, "MASTER_ADDR"),
         master_port=_int(env, "MASTER_PORT"),
         epoch=_int(env, ENV_EPOCH, default=0),
+        **_store_of(env.get(ENV_STORE)),
     )
+
+
+def _store_of(value: str | None) -> dict[str, Any]:
+    """``host:port`` -> RankInfo's store fields (empty when not given)."""
+    if not value:
+        return {}
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"{ENV_STORE}={value!r} is not HOST:PORT")
+    return {"store_addr": host, "store_port": int(port)}
 
 
 def promoted_rank_info(body: Mapping[str, Any], env: Mapping[str, str]) -> RankInfo:
@@ -207,6 +227,8 @@ def promoted_rank_info(body: Mapping[str, Any], env: Mapping[str, str]) -> RankI
             master_addr=str(body["master_addr"]),
             master_port=int(body["master_port"]),
             epoch=int(body["epoch"]),
+            store_addr=body.get("store_addr"),
+            store_port=body.get("store_port"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ControlPlaneError(f"malformed promote message {dict(body)!r}: {exc!r}",
@@ -251,14 +273,28 @@ class _Heartbeat(threading.Thread):
 
     def run(self) -> None:
         try:
+            next_beat = 0.0
             while not self.closing.is_set():
-                self._send(self._kinds.heartbeat, self._rt._beat_body())
-                msg = self._recv()
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._send(self._kinds.heartbeat, self._rt._beat_body())
+                    next_beat = now + self._interval.total_seconds()
+                self._flush_outbox()
+                msg = self._recv(min(OUTBOX_SLICE_S, max(0.0, next_beat - now)))
                 if msg is not None:
                     self._rt._on_message(msg)
+            self._flush_outbox()
             self._send(self._kinds.bye, self._rt._beat_body(state="done"))
         finally:
             self._client.close()
+
+    def _flush_outbox(self) -> None:
+        while True:
+            try:
+                kind, body = self._rt.outbox.get_nowait()
+            except queue.Empty:
+                return
+            self._send(kind, body)
 
     def _send(self, kind: str, body: dict[str, Any]) -> None:
         try:
@@ -266,9 +302,9 @@ class _Heartbeat(threading.Thread):
         except Exception as exc:  # keep training; the supervisor judges missing heartbeats
             self._rt.log.warning("could not send %s to the supervisor: %s", kind, exc)
 
-    def _recv(self) -> Message | None:
+    def _recv(self, seconds: float) -> Message | None:
         try:
-            return self._client.recv(self._interval)
+            return self._client.recv(datetime.timedelta(seconds=seconds))
         except Exception as exc:
             self._rt.log.warning("control plane receive failed: %s", exc)
             self.closing.wait(self._interval.total_seconds())
@@ -308,6 +344,13 @@ class Runtime:
         self._config = config or SupervisorConfig()
         self._kinds: Kinds | None = Kinds() if client is not None else None
         self._heartbeat: _Heartbeat | None = None
+        #: messages for the supervisor, sent by the heartbeat thread
+        self.outbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        #: reconfigure messages from the supervisor, for the training thread
+        self.reconfigures: queue.Queue[dict[str, Any]] = queue.Queue()
+        #: the promote message's body, for a promoted spare
+        self.promotion: dict[str, Any] | None = None
+        self._tcp_store: Any = None
 
     # -- construction --
 
@@ -378,16 +421,68 @@ class Runtime:
         self.step = step
 
     def init_process_group(self, backend: str = "gloo", timeout: datetime.timedelta = DEFAULT_PG_TIMEOUT) -> None:
-        """Initialize torch.distributed (``env://``) for this rank's epoch."""
+        """Initialize torch.distributed for this rank's epoch.
+
+        Under tp run the group meets in the supervisor's store under the prefix
+        ``epoch<N>``, so that a later epoch can be built in the same processes
+        (:meth:`rejoin`). Elsewhere it uses ``env://`` (MASTER_ADDR/PORT).
+        """
         info = self._info()
+        import torch.distributed as dist
+
+        if info.store_addr and info.store_port:
+            store = dist.PrefixStore(f"epoch{info.epoch}", self._store(info, timeout))
+            dist.init_process_group(backend=backend, store=store, rank=info.rank,
+                                    world_size=info.world_size, timeout=timeout)
+            self.log.info("process group up: backend=%s store=%s:%s epoch %d", backend,
+                          info.store_addr, info.store_port, info.epoch)
+            return
         if info.world_size > 1 and (not info.master_addr or info.master_port is None):
             raise ConfigError("MASTER_ADDR/MASTER_PORT are not set for a world of "
                               f"{info.world_size} ranks", hint="export them (the sbatch examples show how)")
-        import torch.distributed as dist
-
         dist.init_process_group(backend=backend, init_method="env://", rank=info.rank,
                                 world_size=info.world_size, timeout=timeout)
         self.log.info("process group up: backend=%s master=%s:%s", backend, info.master_addr, info.master_port)
+
+    def rejoin(self, body: Mapping[str, Any], backend: str = "gloo",
+               timeout: datetime.timedelta = DEFAULT_PG_TIMEOUT) -> None:
+        """Drop the broken process group and build the one of a reconfigure message's epoch."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # a group broken by a dead peer may complain; it is gone anyway
+                self.log.debug("destroying the old group: %r", exc)
+        info = self._info()
+        self.info = RankInfo(rank=info.rank, world_size=int(body["world_size"]),
+                             local_rank=info.local_rank, local_world_size=info.local_world_size,
+                             master_addr=info.master_addr, master_port=info.master_port,
+                             epoch=int(body["epoch"]), store_addr=str(body["store_addr"]),
+                             store_port=int(body["store_port"]))
+        self.init_process_group(backend, timeout)
+
+    def report(self, event: str, **fields: Any) -> None:
+        """Tell the supervisor a fact for the event log (sent at once by the heartbeat thread)."""
+        body = {"event": event, "fields": {"rank": self.rank, **fields}}
+        if self._heartbeat is not None:
+            self.outbox.put((self._k.report, body))
+        elif self._client is not None:
+            self._send(self._k.report, body)
+
+    def wait_reconfigure(self, timeout: datetime.timedelta) -> dict[str, Any] | None:
+        """The next reconfigure message from the supervisor, or None after ``timeout``."""
+        try:
+            return self.reconfigures.get(timeout=timeout.total_seconds())
+        except queue.Empty:
+            return None
+
+    def _store(self, info: RankInfo, timeout: datetime.timedelta) -> Any:
+        """One client connection to the job's store, reused by every epoch."""
+        if self._tcp_store is None:
+            self._tcp_store = make_tcp_store(str(info.store_addr), int(info.store_port or 0),
+                                             is_master=False, timeout=timeout)
+        return self._tcp_store
 
     def close(self) -> None:
         """Say bye to the supervisor and stop the heartbeat thread (idempotent)."""
@@ -444,7 +539,9 @@ class Runtime:
 
     def _on_message(self, msg: Message) -> None:
         """A message for an active rank (called from the heartbeat thread)."""
-        if msg.kind == self._k.stop:
+        if msg.kind == self._k.reconfigure:
+            self.reconfigures.put(dict(msg.body))
+        elif msg.kind == self._k.stop:
             self.log.warning("the supervisor asked this rank to stop: %s", msg.body)
             self.stop_requested.set()
         else:
@@ -465,6 +562,7 @@ class Runtime:
                 self._send(self._k.heartbeat, self._beat_body())
             elif msg.kind == self._k.promote:
                 self.info = promoted_rank_info(msg.body, self._environ)
+                self.promotion = dict(msg.body)
                 self.is_spare_promoted = True
                 self.log.info("promoted: %s", msg.body)
                 return
@@ -483,6 +581,19 @@ class Runtime:
 
     def __repr__(self) -> str:
         return f"Runtime(role={self.role.value}, info={self.info}, promoted={self.is_spare_promoted})"
+
+
+def make_tcp_store(host: str, port: int, *, is_master: bool, timeout: datetime.timedelta) -> Any:
+    """A torch TCPStore without libuv (Debian's torch is built without it)."""
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {"is_master": is_master, "timeout": timeout}
+    if is_master:
+        kwargs["wait_for_workers"] = False
+    try:
+        return dist.TCPStore(host, port, use_libuv=False, **kwargs)
+    except TypeError:  # a torch that predates use_libuv
+        return dist.TCPStore(host, port, **kwargs)
 
 
 def init(environ: MutableMapping[str, str] | None = None, *, client_factory: ClientFactory | None = None,

@@ -24,10 +24,13 @@ other steps are restarted, and every rank resumes from the last checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 from datetime import timedelta
 from pathlib import Path
 
@@ -68,6 +71,20 @@ class Fault:
     exit_code: int | None = None
 
 
+@dataclass
+class Migration:
+    """A live migration in progress, until its first committed step."""
+
+    epoch: int
+    started: float
+    committed: int | None  # the highest step survivors had reported before the fault
+    failed: tuple[str, ...]
+
+
+#: Facts a rank reports that go to the event log as they are.
+RANK_EVENTS = frozenset({ev.GROUP_REBUILT, ev.AGREEMENT, ev.TRANSFER_DONE, ev.FIRST_STEP})
+
+
 @dataclass(frozen=True)
 class RunResult:
     exit_code: int
@@ -82,7 +99,8 @@ class Supervisor:
 
     def __init__(self, *, job_id: int, run_dir: Path, membership: Membership,
                  launcher: StepLauncher, server: ControlServer, slurm: SlurmBackend,
-                 events: ev.EventLog, config: SupervisorConfig) -> None:
+                 events: ev.EventLog, config: SupervisorConfig,
+                 store: tuple[str, int] = ("", 0)) -> None:
         self.job_id = job_id
         self.run_dir = run_dir
         self.membership = membership
@@ -99,6 +117,13 @@ class Supervisor:
         self._next_slurm_poll = 0.0
         self._next_status = 0.0
         self._exit_code = 1
+        #: a rank reported a failed collective; judged by the next _detect
+        self._reported: Fault | None = None
+        #: the live migration in progress (waiting for its first step)
+        self.migration: Migration | None = None
+        self.store_addr, self.store_port = store
+        #: objects that must live as long as the supervisor (the rendezvous store)
+        self.keepalive: Any = None
 
     # -- the loop ----------------------------------------------------------
     def run(self) -> RunResult:
@@ -146,6 +171,8 @@ class Supervisor:
                                        ranks=list(self.membership.ranks_of(node)))
             elif m.kind == msg.HEARTBEAT:
                 step.seen(m.sender, now, m.body.get("step"))
+            elif m.kind == msg.REPORT:
+                self._on_report(node, step, m.body)
             elif m.kind == msg.STANDBY:
                 step.standby_senders.add(m.sender)
                 step.seen(m.sender, now)
@@ -156,9 +183,27 @@ class Supervisor:
                 self.steps[n].state == WorkerState.RUNNING for n in self.membership.active):
             self.state = RunState.RUNNING
 
+    def _on_report(self, node: str, step: WorkerStep, body: Mapping[str, Any]) -> None:
+        event, fields = body["event"], dict(body["fields"])
+        if event == "live_ready":
+            step.live = True
+        elif event == "collective_failed":
+            if fields.get("epoch", step.epoch) >= step.epoch and self._reported is None:
+                self._reported = Fault(node, "collective_failed",
+                                       f"rank {fields.get('rank')} on {node}: a collective failed "
+                                       f"({fields.get('error', '')[:120]})")
+        elif event in RANK_EVENTS:
+            self.events.append(event, node=node, **fields)
+            if event == ev.FIRST_STEP and self.migration is not None:
+                self._migration_done(fields)
+        else:
+            logger.warning("ignoring an unknown report %r from %s", event, node)
+
     # -- detection ---------------------------------------------------------
     def _detect(self) -> Fault | None:
-        return self._detect_step_exit() or self._detect_silence() or self._watch_slurm()
+        reported, self._reported = self._reported, None
+        return (self._detect_step_exit() or reported or self._detect_silence()
+                or self._watch_slurm())
 
     def _detect_step_exit(self) -> Fault | None:
         for node, step in self.steps.items():
@@ -223,7 +268,12 @@ class Supervisor:
 
     # -- recovery ----------------------------------------------------------
     def _handle(self, fault: Fault) -> None:
-        faults = self._settle(fault) if fault.kind == "step_exited" else [fault]
+        settle = fault.kind in ("step_exited", "collective_failed")
+        faults = self._settle(fault) if settle else [fault]
+        self._reported = None  # reports gathered while settling belong to this fault
+        if not faults:
+            self._regroup(fault)
+            return
         for f in faults:
             self._record(f)
         self.launcher.stop([self.steps[f.node] for f in faults], self.config.lost_stop_timeout)
@@ -237,7 +287,10 @@ class Supervisor:
             else:
                 lost_active.append(f)
         if lost_active:
-            self._restart_on_spares(lost_active)
+            if self._can_migrate_live(lost_active):
+                self._migrate_live(lost_active)
+            else:
+                self._restart_on_spares(lost_active)
 
     def _settle(self, first: Fault) -> list[Fault]:
         """Find the cause of a step's error exit: a silent node, else the first to exit.
@@ -258,8 +311,15 @@ class Supervisor:
         if silent:
             return [Fault(n, "heartbeat_lost",
                           f"{n} went silent ({self.steps[n].silent_for(now):.0f} s) while "
-                          f"{first.node}'s step failed") for n in silent]
-        return [first]
+                          f"{first.detail}") for n in silent]
+        exited = [Fault(n, "step_exited", f"srun step on {n} exited with status {s.exit_code}",
+                        s.exit_code)
+                  for n, s in self.steps.items()
+                  if s.state not in (WorkerState.EXITED, WorkerState.LOST, WorkerState.STOPPING)
+                  and s.poll() not in (None, 0)]
+        if first.kind == "step_exited":
+            return [first]
+        return exited[:1]
 
     def _record(self, fault: Fault) -> None:
         step = self.steps[fault.node]
@@ -300,7 +360,78 @@ class Supervisor:
                            spares=list(new.spares), from_checkpoint=True)
         self.state = RunState.LAUNCHING
 
-    def _promote(self, node: str) -> None:
+    # -- live migration ------------------------------------------------------
+    def _can_migrate_live(self, faults: list[Fault]) -> bool:
+        """Every surviving active rank runs the elastic loop, and a spare is there per loss."""
+        lost = {f.node for f in faults}
+        survivors = [self.steps[n] for n in self.membership.active if n not in lost]
+        return (bool(survivors) and bool(self.store_port)
+                and all(s.live and s.state == WorkerState.RUNNING for s in survivors)
+                and len(self.membership.spares) >= len(lost))
+
+    def _migrate_live(self, faults: list[Fault]) -> None:
+        """Spares take the lost slots; survivors rebuild the group in place and resend state."""
+        old = self.membership
+        new = old
+        for fault in faults:
+            new = new.replace(fault.node)
+        promoted = [new.active[old.slot_of(f.node)] for f in faults]
+        survivors = [n for n in new.active if n not in promoted]
+        committed = max((self.steps[n].last_step or 0) for n in survivors)
+        last_hb = max((self.steps[f.node].last_heartbeat or 0.0) for f in faults) or None
+        self.membership = new
+        self.events.epoch = new.epoch
+        self.events.append(ev.MIGRATION_STARTED, failed=[f.node for f in faults],
+                           spares=promoted, last_heartbeat=last_hb, committed_step=committed)
+        for spare, fault in zip(promoted, faults):
+            self.events.append(ev.SPARE_PROMOTED, node=spare, replaces=fault.node,
+                               ranks=list(new.ranks_of(spare)), mode="live")
+        self.migration = Migration(epoch=new.epoch, started=time.time(), committed=committed,
+                                   failed=tuple(f.node for f in faults))
+        self._reconfigure(survivors)
+        for spare in promoted:
+            self._promote(spare, mode="live")
+        self.state = RunState.RECOVERING
+
+    def _reconfigure(self, nodes: list[str]) -> None:
+        body = {"epoch": self.membership.epoch, "world_size": self.membership.world_size,
+                "store_addr": self.store_addr, "store_port": self.store_port}
+        for node in nodes:
+            step = self.steps[node]
+            step.epoch = self.membership.epoch
+            for sender in sorted(step.hello_senders):
+                self._send(sender, msg.RECONFIGURE, body)
+
+    def _regroup(self, fault: Fault) -> None:
+        """A collective failed but no rank is lost: rebuild the group, same members."""
+        self.membership = dataclasses.replace(self.membership, epoch=self.membership.epoch + 1)
+        self.events.epoch = self.membership.epoch
+        self.events.append(ev.MIGRATION_STARTED, failed=[], spares=[], last_heartbeat=None,
+                           committed_step=None, detail=fault.detail)
+        self.migration = Migration(epoch=self.membership.epoch, started=time.time(),
+                                   committed=None, failed=())
+        self._reconfigure(list(self.membership.active))
+
+    def _migration_done(self, fields: Mapping[str, Any]) -> None:
+        mig = self.migration
+        assert mig is not None
+        if fields.get("epoch", mig.epoch) != mig.epoch:
+            return
+        agreed = self._agreed_step(mig.epoch)
+        lost = None if mig.committed is None or agreed is None else max(0, mig.committed - agreed)
+        self.events.append(ev.MIGRATION_DONE, resolution="live", lost_steps=lost,
+                           recomputed_steps=1, failed=list(mig.failed),
+                           seconds=round(time.time() - mig.started, 3))
+        self.migration = None
+        self.state = RunState.RUNNING
+
+    def _agreed_step(self, epoch: int) -> int | None:
+        for event in reversed(ev.read_events(self.events.path)):
+            if event.kind == ev.AGREEMENT and event.epoch == epoch:
+                return int(event.fields["committed_step"])
+        return None
+
+    def _promote(self, node: str, mode: str = "restart") -> None:
         """Tell the spare's standby tasks their ranks; wait for their standby first."""
         step = self.steps[node]
         deadline = time.monotonic() + self.config.startup_timeout
@@ -318,7 +449,8 @@ class Supervisor:
             self._send(sender, msg.PROMOTE, {
                 "rank": m.rank_base(node) + local, "local_rank": local,
                 "world_size": m.world_size, "master_addr": m.node_of_rank(0),
-                "master_port": master_port(self.job_id, m.epoch), "epoch": m.epoch})
+                "master_port": master_port(self.job_id, m.epoch), "epoch": m.epoch,
+                "mode": mode, "store_addr": self.store_addr, "store_port": self.store_port})
 
     def _send(self, sender: str, kind: str, body: dict[str, object]) -> None:
         """Best effort: a worker that is gone is found by the detectors, not here."""

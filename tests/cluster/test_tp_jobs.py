@@ -24,7 +24,7 @@ EXAMPLE = "/src/sbatch-examples/tiny_gpt_tp.sbatch"
 #: Small enough for seconds per run, long enough (with the sleep) to kill a node mid-run.
 TRAIN_ARGS = ("--d-model", "64", "--n-layers", "2", "--context", "32", "--steps", "24",
               "--ckpt-every", "4", "--log-every", "4", "--step-sleep", "0.4")
-DONE = re.compile(r"^done step=(\d+) loss=(\S+) params_sha256=([0-9a-f]{64})$", re.M)
+DONE = re.compile(r"^done step=(\d+) loss=(\S+) params_sha256=([0-9a-f]{64}) optim_sha256=([0-9a-f]{64})$", re.M)
 
 
 @dataclass
@@ -70,9 +70,10 @@ def submit(c: Cluster, *tp_args: str, train_args: tuple[str, ...] = TRAIN_ARGS) 
 
 
 def final_hash(job: TpJob) -> str:
+    """The final model and optimizer state's hashes: bitwise equality of the whole state."""
     m = DONE.search(job.output())
     assert m, job.output()[-3000:]
-    return m.group(3)
+    return f"{m.group(3)}/{m.group(4)}"
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +97,7 @@ def reference_hash(cluster: Cluster) -> str:
 
 
 def test_spares_are_allocated_and_training_completes(reference_hash: str) -> None:
-    assert re.fullmatch(r"[0-9a-f]{64}", reference_hash)
+    assert re.fullmatch(r"[0-9a-f]{64}/[0-9a-f]{64}", reference_hash)
 
 
 def test_node_kill_continues_on_spare_with_same_weights(healthy_cluster: Cluster,

@@ -8,7 +8,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from torchpass_slurm import config as cfg
 from torchpass_slurm.control.secret import create_secret, load_secret
@@ -40,13 +42,40 @@ def build_supervisor(*, job_id: int, command: Sequence[str], spares: int, ntasks
     secret = load_secret(secret_file)
     server = ControlServer(secret, bind_host="0.0.0.0", port=0, advertise_host=host)
     env = {cfg.ENV_SECRET_FILE: str(secret_file), cfg.ENV_RUN_DIR: str(run_dir)}
+    store = _host_store(host)
+    if store is not None:
+        env[cfg.ENV_STORE] = f"{host}:{store.port}"
     launcher = StepLauncher(slurm, job_id=job_id, command=command,
                             control_endpoint=server.endpoint, base_env=env)
     events = EventLog(run_dir / EVENTS_FILE, job=str(job_id), epoch=membership.epoch)
     logger.info("supervising job %d: active %s, spares %s, control %s", job_id,
                 ",".join(membership.active), ",".join(membership.spares) or "-", server.endpoint)
-    return Supervisor(job_id=job_id, run_dir=run_dir, membership=membership, launcher=launcher,
-                      server=server, slurm=slurm, events=events, config=cfg.SupervisorConfig())
+    supervisor = Supervisor(job_id=job_id, run_dir=run_dir, membership=membership,
+                            launcher=launcher, server=server, slurm=slurm, events=events,
+                            config=cfg.SupervisorConfig(),
+                            store=(host, store.port) if store is not None else ("", 0))
+    supervisor.keepalive = store  # the store lives as long as the supervisor
+    return supervisor
+
+
+#: How long the job's rendezvous store waits on one request from a rank.
+STORE_TIMEOUT = timedelta(minutes=5)
+
+
+def _host_store(host: str) -> Any:
+    """The job's rendezvous store, hosted here: the batch host outlives every worker node.
+
+    Without torch on this node there is none; the ranks then meet at rank 0
+    (MASTER_ADDR) and a lost rank can only be handled by a restart.
+    """
+    try:
+        from torchpass_slurm.runtime import make_tcp_store
+
+        return make_tcp_store("0.0.0.0", 0, is_master=True, timeout=STORE_TIMEOUT)
+    except ImportError:
+        logger.warning("torch is not importable on %s: no rendezvous store, live migration "
+                       "is off (lost ranks restart from the last checkpoint)", host)
+        return None
 
 
 def _ordered_nodes(nodes: Sequence[str], batch_host: str | None) -> list[str]:

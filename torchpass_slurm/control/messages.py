@@ -77,16 +77,20 @@ HELLO = "hello"
 HEARTBEAT = "heartbeat"
 STANDBY = "standby"
 BYE = "bye"
+#: a rank reports a fact for the event log or a failed collective (body: event, fields)
+REPORT = "report"
 # supervisor -> worker
 PROMOTE = "promote"
 STOP = "stop"
+#: survivors of a fault: rebuild the process group for a new epoch (live migration)
+RECONFIGURE = "reconfigure"
 # both ways: acknowledges the message with sequence number body["seq"]
 ACK = "ack"
 
 #: Kinds a worker may send (the supervisor accepts only these).
-WORKER_KINDS: frozenset[str] = frozenset({HELLO, HEARTBEAT, STANDBY, BYE, ACK})
+WORKER_KINDS: frozenset[str] = frozenset({HELLO, HEARTBEAT, STANDBY, BYE, REPORT, ACK})
 #: Kinds the supervisor may send (a worker accepts only these).
-SUPERVISOR_KINDS: frozenset[str] = frozenset({PROMOTE, STOP, ACK})
+SUPERVISOR_KINDS: frozenset[str] = frozenset({PROMOTE, STOP, RECONFIGURE, ACK})
 ALL_KINDS: frozenset[str] = WORKER_KINDS | SUPERVISOR_KINDS
 
 # --- limits -------------------------------------------------------------------
@@ -117,6 +121,7 @@ BODY_SCHEMAS: Mapping[str, Mapping[str, tuple[type, ...]]] = {
     HEARTBEAT: {"rank": _OPT_INT, "step": _OPT_INT, "state": _STR},
     STANDBY: {"node": _STR, "local_rank": _INT},
     BYE: {},
+    REPORT: {"event": _STR, "fields": (dict,)},
     PROMOTE: {
         "rank": _INT,
         "local_rank": _INT,
@@ -126,6 +131,7 @@ BODY_SCHEMAS: Mapping[str, Mapping[str, tuple[type, ...]]] = {
         "epoch": _INT,
     },
     STOP: {"reason": _STR},
+    RECONFIGURE: {"epoch": _INT, "world_size": _INT, "store_addr": _STR, "store_port": _INT},
     ACK: {"seq": _INT},
 }
 

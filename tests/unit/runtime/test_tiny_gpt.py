@@ -21,7 +21,7 @@ pytest.importorskip("numpy")  # torch.distributed's object collectives (used by 
 SCRIPT = Path(__file__).resolve().parents[3] / "sbatch-examples" / "tiny_gpt.py"
 SMALL = ["--d-model", "64", "--n-layers", "2", "--context", "32", "--batch-size", "8",
          "--steps", "20", "--ckpt-every", "5", "--log-every", "2", "--threads", "1", "--lr", "1e-2"]
-DONE = re.compile(r"^done step=(\d+) loss=(\S+) params_sha256=([0-9a-f]{64})$", re.M)
+DONE = re.compile(r"^done step=(\d+) loss=(\S+) params_sha256=([0-9a-f]{64}) optim_sha256=([0-9a-f]{64})$", re.M)
 
 
 def free_port() -> int:
@@ -63,4 +63,5 @@ def test_loss_falls_and_a_resumed_run_ends_bitwise_equal(tmp_path: Path) -> None
     resumed = run_ranks(2, ["--ckpt-dir", str(tmp_path / "b")])
     again = DONE.search(resumed)
     assert again and again.group(3) == done.group(3), (full, resumed)
+    assert again.group(4) == done.group(4), "optimizer state differs after the resume"
     assert again.group(2) == done.group(2)

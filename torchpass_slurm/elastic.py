@@ -1,0 +1,241 @@
+"""The rank side of live migration: a training loop that survives a lost peer.
+
+:class:`ElasticTrainer` runs the user's step function and owns the three
+things live migration needs to control: the process group, the DDP wrapper
+and the commit of each step::
+
+    trainer = ElasticTrainer(rt, model, optimizer, state={"train": TrainState(model, opt)})
+    trainer.fit(train_step, steps=1000, on_commit=log_and_checkpoint)
+
+``train_step(step, ddp_model)`` does the forward and the backward pass (DDP
+all-reduces the gradients inside ``backward``) and returns the loss. The
+trainer then applies the step with ``optimizer.step()``. That is the commit
+rule: a step counts once this rank has its reduced gradients; a failure
+before that point discards the step (nothing was applied, the gradients are
+dropped), a failure after it (in ``on_commit``: logging, checkpoints) leaves
+the step committed.
+
+When a collective fails (a peer died) the rank reports ``collective_failed``
+to the supervisor and waits for ``reconfigure``: the new epoch, in which a
+spare holds the lost logical rank. Then, in the same process::
+
+    rejoin      destroy the broken group, build the epoch's group (same world, same ranks)
+    agree       all-gather every rank's committed step; S = the highest
+    transfer    each rank behind S (the promoted spare, rarely a survivor) receives the
+                full state from a rank at S (a data-parallel replica), chunked and verified
+    rewrap      a fresh DDP on the new group; the loop goes on at step S
+
+A promoted spare enters the same path from :meth:`ElasticTrainer.fit` with
+step -1. Per-rank randomness must be a function of (seed, rank, step): the
+lost rank's RNG state died with it, and the spare derives it again.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from torchpass_slurm.runtime import Runtime
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+logger = logging.getLogger(__name__)
+
+#: How long a rank whose collective failed waits for the supervisor's reconfigure.
+RECONFIGURE_TIMEOUT = datetime.timedelta(seconds=120)
+#: Collective timeout of every epoch's group: bounds how long a silent peer blocks.
+GROUP_TIMEOUT = datetime.timedelta(seconds=60)
+#: Timeout of one state transfer call.
+TRANSFER_TIMEOUT = datetime.timedelta(seconds=120)
+
+#: Words in an exception's text that mark a failed collective rather than a bug.
+_COMM_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "closed", "reset by peer",
+                 "broken pipe", "process group", "socket", "distbackenderror")
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """True when ``exc`` looks like a failed collective (a peer died), not a user bug."""
+    try:
+        import torch.distributed as dist
+
+        if isinstance(exc, getattr(dist, "DistError", ())):
+            return True
+    except ImportError:  # pragma: no cover - torch is there whenever this runs
+        pass
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(marker in text for marker in _COMM_MARKERS)
+
+
+class ElasticTrainer:
+    """A data-parallel training loop that carries on through a lost rank; see the module doc."""
+
+    def __init__(self, rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 state: Mapping[str, Any], scheduler: Any = None, backend: str = "gloo",
+                 ddp_kwargs: Mapping[str, Any] | None = None, start_step: int = 0) -> None:
+        self.rt = rt
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.state = dict(state)
+        self.backend = backend
+        self.ddp_kwargs = {"find_unused_parameters": True, **(ddp_kwargs or {})}
+        self.step = start_step
+        self.ddp_model: nn.Module = model
+        self.migrations = 0
+        self._progress: Any = None  # transfer progress, kept across a donor's death
+        self._first_step_pending = False
+        #: True once this rank received the training state from a replica
+        self.received_state = False
+        self._started = False
+
+    # -- the loop ------------------------------------------------------------
+    def start(self) -> None:
+        """Join the group; a spare promoted live receives the state first. Idempotent."""
+        if self._started:
+            return
+        self._started = True
+        if self.rt.world_size > 1 or self.rt.info and self.rt.info.store_addr:
+            self.rt.init_process_group(self.backend, GROUP_TIMEOUT)
+        self.rt.report("live_ready", step=self.step, epoch=self.rt.epoch)
+        if self.rt.is_spare_promoted and (self.rt.promotion or {}).get("mode") == "live":
+            self.step = -1
+            self._sync_state()
+            self._first_step_pending = True
+        self._wrap()
+
+    def close(self) -> None:
+        """Leave the group together with the others (rank 0 may host the rendezvous)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+    def fit(self, train_step: Callable[[int, nn.Module], torch.Tensor], steps: int,
+            on_commit: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor | None:
+        """Run ``train_step`` for every step up to ``steps``; return the last loss."""
+        self.start()
+        loss = None
+        while self.step < steps:
+            self.optimizer.zero_grad(set_to_none=True)
+            try:
+                loss = train_step(self.step, self.ddp_model)
+            except Exception as exc:
+                self._recover_or_raise(exc)
+                continue
+            self._commit()
+            if on_commit is not None:
+                try:
+                    on_commit(self.step, loss)
+                except Exception as exc:
+                    self._recover_or_raise(exc)
+        return loss
+
+    def _commit(self) -> None:
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.step += 1
+        self.rt.report_step(self.step)
+        if self._first_step_pending and self.rt.rank == 0:
+            self.rt.report("first_step", step=self.step, epoch=self.rt.epoch)
+        self._first_step_pending = False
+
+    # -- recovery ------------------------------------------------------------
+    def _recover_or_raise(self, exc: Exception) -> None:
+        if not is_comm_error(exc):
+            raise exc
+        self.rt.log.warning("collective failed at step %d: %s", self.step, str(exc)[:200])
+        self.rt.report("collective_failed", step=self.step, error=str(exc)[:200],
+                       epoch=self.rt.epoch)
+        while True:
+            body = self.rt.wait_reconfigure(RECONFIGURE_TIMEOUT)
+            if body is None:
+                self.rt.log.error("no reconfigure from the supervisor within %s", RECONFIGURE_TIMEOUT)
+                raise exc
+            try:
+                self._reconfigure(body)
+                return
+            except Exception as again:  # a second failure during recovery: wait for the next epoch
+                if not is_comm_error(again):
+                    raise
+                self.rt.log.warning("recovery of epoch %s failed: %s", body.get("epoch"), again)
+                self.rt.report("collective_failed", step=self.step, error=str(again)[:200],
+                               epoch=self.rt.epoch)
+
+    def _reconfigure(self, body: Mapping[str, Any]) -> None:
+        started = time.monotonic()
+        self.rt.rejoin(body, self.backend, GROUP_TIMEOUT)
+        self.rt.report("group_rebuilt", seconds=round(time.monotonic() - started, 4),
+                       epoch=self.rt.epoch)
+        self._sync_state()
+        self._wrap()
+        self.migrations += 1
+        self._first_step_pending = True
+
+    def _sync_state(self) -> None:
+        """Agree on the committed step; ranks behind it receive the state from a replica."""
+        import torch
+        import torch.distributed as dist
+
+        world = dist.get_world_size()
+        mine = torch.tensor([self.step], dtype=torch.int64)
+        steps = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(steps, mine)
+        held = [int(t.item()) for t in steps]
+        committed = max(held)
+        donors = [r for r, s in enumerate(held) if s == committed]
+        receivers = [r for r, s in enumerate(held) if s < committed]
+        if self.rt.rank == 0:
+            self.rt.report("agreement", committed_step=committed, receivers=receivers,
+                           donors=donors, epoch=self.rt.epoch)
+        plan = {recv: donors[i % len(donors)] for i, recv in enumerate(receivers)}
+        for recv, donor in plan.items():
+            if self.rt.rank == donor:
+                self._send_state(recv, committed)
+            elif self.rt.rank == recv:
+                self._receive_state(donor, committed)
+        dist.barrier()
+        self.step = committed
+
+    def _state_dicts(self) -> dict[str, Any]:
+        return {name: obj.state_dict() for name, obj in self.state.items()}
+
+    def _send_state(self, receiver: int, step: int) -> None:
+        from torchpass_slurm.transfer import TorchTransport, send_state
+
+        stats = send_state(TorchTransport(receiver), self._state_dicts(),
+                           timeout=TRANSFER_TIMEOUT, meta={"step": step})
+        self.rt.log.info("sent the state of step %d to rank %d: %s", step, receiver, stats)
+
+    def _receive_state(self, donor: int, step: int) -> None:
+        from torchpass_slurm.transfer import ReceiveProgress, TorchTransport, recv_state
+
+        if self._progress is None:
+            self._progress = ReceiveProgress()
+        received, stats = recv_state(TorchTransport(donor), timeout=TRANSFER_TIMEOUT,
+                                     into=self._state_dicts(), progress=self._progress)
+        for name, obj in self.state.items():
+            obj.load_state_dict(received[name])
+        self._progress = None
+        self.received_state = True
+        self.rt.report("transfer_done", donor=donor, receiver=self.rt.rank, step=step,
+                       bytes=stats.bytes, seconds=round(stats.seconds, 4), retries=stats.retries,
+                       resumed_from=stats.resumed_from, epoch=self.rt.epoch)
+
+    def _wrap(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.ddp_model = DDP(self.model, **self.ddp_kwargs)
+        else:
+            self.ddp_model = self.model
