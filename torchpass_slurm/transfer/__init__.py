@@ -1,0 +1,65 @@
+"""Live state transfer: move a rank's in-memory training state to a hot spare.
+
+Two layers:
+
+- :mod:`.transport`: :class:`Transport`, a point-to-point byte pipe to one peer
+  where every call takes an explicit ``timedelta`` timeout, with three
+  implementations: :class:`TorchTransport` (torch.distributed send/recv on a
+  process group: gloo on CPU, NCCL on GPU), :class:`SocketTransport` (plain
+  TCP) and :class:`MPITransport` (mpi4py on an intercommunicator).
+- :mod:`.stream`: :func:`send_state` / :func:`recv_state` move a nested
+  ``state_dict`` (tensors, JSON scalars, dicts with str or int keys, lists,
+  tuples) without pickle: a JSON manifest, then the tensors' bytes as checksummed
+  chunks, pipelined, resumable from another donor, with bad chunks resent.
+
+The wire format and the measured throughputs are in ``docs/design/transfer.md``.
+
+Importing this package does not import torch or mpi4py; the names below are
+loaded on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from torchpass_slurm.transfer.errors import TransferError, TransferTimeout
+
+__all__ = [
+    "TransferError",
+    "TransferTimeout",
+    "Transport",
+    "Handle",
+    "TorchTransport",
+    "SocketTransport",
+    "SocketListener",
+    "MPITransport",
+    "Manifest",
+    "ReceiveProgress",
+    "TransferStats",
+    "send_state",
+    "recv_state",
+]
+
+_LAZY = {
+    "Transport": "transport",
+    "Handle": "transport",
+    "TorchTransport": "torch_transport",
+    "SocketTransport": "socket_transport",
+    "SocketListener": "socket_transport",
+    "MPITransport": "mpi_transport",
+    "Manifest": "manifest",
+    "ReceiveProgress": "stream",
+    "TransferStats": "stream",
+    "send_state": "stream",
+    "recv_state": "stream",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,136 @@
+"""Chunk plumbing shared by donor and receiver: byte views, spans, small int messages.
+
+The stream is the tensors' bytes back to back, cut into ``chunk_bytes``
+pieces; a chunk may span tensor boundaries. :class:`ChunkMap` maps a chunk to
+the ``(tensor, byte range)`` pieces it covers, and hands out a zero-copy view
+when the chunk lies inside one contiguous CPU tensor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import struct
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Sequence
+
+from torchpass_slurm.transfer.errors import TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+    from torchpass_slurm.transfer.manifest import Manifest
+    from torchpass_slurm.transfer.transport import Transport
+
+__all__ = ["ChunkMap", "send_ints", "recv_ints", "HEADER", "pack_header", "unpack_header"]
+
+#: Stream header: magic, format version, reserved, manifest length (little endian).
+HEADER = struct.Struct("<4sHHQ")
+MAGIC = b"TPST"
+VERSION = 1
+
+
+def pack_header(manifest_len: int) -> "torch.Tensor":
+    """The 16-byte header that precedes the manifest."""
+    return _tensor(HEADER.pack(MAGIC, VERSION, 0, manifest_len))
+
+
+def unpack_header(buf: "torch.Tensor") -> int:
+    """The manifest length from a header; TransferError if it is not ours."""
+    magic, version, _, length = HEADER.unpack(bytes(buf.numpy()))
+    if magic != MAGIC:
+        raise TransferError(f"the peer did not start a torchpass state stream (got magic {magic!r}, "
+                            f"expected {MAGIC!r})", hint="is the peer a torchpass donor of the same version?")
+    if version != VERSION:
+        raise TransferError(f"the donor speaks state stream version {version}, this receiver {VERSION}",
+                            hint="run the same torchpass-slurm version on donor and receiver")
+    return length
+
+
+def _tensor(data: bytes) -> "torch.Tensor":
+    import torch
+
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def send_ints(transport: "Transport", values: Sequence[int], timeout: timedelta) -> None:
+    """Send signed 64-bit ints (a protocol message)."""
+    transport.send(_tensor(struct.pack(f"<{len(values)}q", *values)), timeout)
+
+
+def recv_ints(transport: "Transport", count: int, timeout: timedelta) -> list[int]:
+    """Receive ``count`` signed 64-bit ints."""
+    import torch
+
+    buf = torch.empty(8 * count, dtype=torch.uint8)
+    transport.recv(buf, timeout)
+    return list(struct.unpack(f"<{count}q", bytes(buf.numpy())))
+
+
+def byte_view(t: "torch.Tensor") -> "torch.Tensor":
+    """A flat uint8 view of a contiguous tensor's memory (no copy)."""
+    import torch
+
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return flat.view(torch.uint8)
+
+
+class ChunkMap:
+    """Chunk index -> pieces of the tensors, for one side's tensors in stream order."""
+
+    def __init__(self, manifest: "Manifest", tensors: Sequence["torch.Tensor"]) -> None:
+        self.manifest = manifest
+        self.tensors = list(tensors)
+        self.offsets = [e.offset for e in manifest.entries]
+        self._views: dict[int, "torch.Tensor"] = {}
+
+    def view(self, i: int) -> "torch.Tensor":
+        """The byte view of tensor ``i`` (a contiguous copy for a non-contiguous one, cached alone)."""
+        if i not in self._views:
+            t = self.tensors[i]
+            if not t.is_contiguous():
+                self._views = {k: v for k, v in self._views.items() if self.tensors[k].is_contiguous()}
+                t = t.contiguous()
+            self._views[i] = byte_view(t)
+        return self._views[i]
+
+    def pieces(self, index: int) -> list[tuple[int, int, int, int]]:
+        """``(tensor i, start in tensor, length, start in chunk)`` for chunk ``index``."""
+        start, end = self.manifest.chunk_span(index)
+        out = []
+        i = max(bisect.bisect_right(self.offsets, start) - 1, 0)
+        pos = start
+        while pos < end:
+            entry = self.manifest.entries[i]
+            t_end = entry.offset + entry.nbytes
+            if t_end > pos:
+                n = min(end, t_end) - pos
+                out.append((i, pos - entry.offset, n, pos - start))
+                pos += n
+            i += 1
+        return out
+
+    def direct(self, index: int) -> "torch.Tensor | None":
+        """A zero-copy view of chunk ``index`` when it lies in one contiguous CPU tensor."""
+        pieces = self.pieces(index)
+        if len(pieces) != 1:
+            return None
+        i, start, n, _ = pieces[0]
+        t = self.tensors[i]
+        if t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        return self.view(i)[start:start + n]
+
+    def gather(self, index: int, staging: "torch.Tensor") -> "torch.Tensor":
+        """Copy chunk ``index`` into ``staging`` (on the CPU) and return the filled part."""
+        start, end = self.manifest.chunk_span(index)
+        out = staging[:end - start]
+        for i, t_start, n, c_start in self.pieces(index):
+            out[c_start:c_start + n].copy_(self.view(i)[t_start:t_start + n])
+        return out
+
+    def scatter(self, index: int, data: "torch.Tensor") -> None:
+        """Write a received chunk into the destination tensors."""
+        for i, t_start, n, c_start in self.pieces(index):
+            self.view(i)[t_start:t_start + n].copy_(data[c_start:c_start + n])

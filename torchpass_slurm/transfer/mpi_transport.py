@@ -1,0 +1,175 @@
+"""MPITransport: mpi4py point-to-point on an (inter)communicator.
+
+mpi4py is imported lazily (``pip install mpi4py mpich``; the main venv does
+not need it). A donor and a spare live in different Slurm steps, so they are
+not in one MPI world: they meet with ``MPI.Open_port``/``Comm.Accept`` on one
+side and ``Comm.Connect`` on the other, which gives an intercommunicator where
+the peer is rank 0 of the remote group. What works where (see
+docs/design/transfer.md): MPICH 5 wheels across two ``srun --mpi=pmi2`` steps
+and across two ``mpiexec -n 1`` launches, a singleton accepting from an
+``mpiexec``-launched peer; two MPICH *singletons* cannot connect ("Local and
+remote groups ... must not contain the same processes"); Open MPI under Slurm's
+PMIx plugin cannot connect at all (MPI_ERR_INTERN).
+
+Timeouts: MPI has none, so every operation is a non-blocking ``Isend``/``Irecv``
+polled with ``Test`` until its deadline (polling also drives MPICH's progress
+engine). On timeout the request stays posted and the transport is broken.
+``Accept``/``Connect`` are blocking MPI calls: they run on a helper thread that
+is abandoned (not killed) when the timeout expires. Whether a dead peer is
+noticed before the timeout depends on the MPI library (MPICH over UCX/TCP
+usually reports it; otherwise the timeout fires).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable
+
+from torchpass_slurm.transfer.errors import TransferError
+from torchpass_slurm.transfer.transport import Handle, Transport, seconds, timeout_error
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["MPITransport", "mpi_problem"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TAG = 7077
+
+
+def mpi_problem() -> str | None:
+    """Why mpi4py cannot be used here, or None when it can."""
+    try:
+        from mpi4py import MPI  # noqa: F401
+    except ImportError as exc:
+        return f"mpi4py is not importable ({exc}); pip install mpi4py mpich"
+    except Exception as exc:  # MPI_Init itself failed
+        return f"MPI failed to initialize: {exc}"
+    return None
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI
+
+    return MPI
+
+
+class _RequestHandle(Handle):
+    def __init__(self, transport: "MPITransport", request: Any, op: str, nbytes: int) -> None:
+        self._transport, self._request, self._op, self._nbytes = transport, request, op, nbytes
+
+    def wait(self, timeout: timedelta) -> None:
+        MPI = _mpi()
+        deadline = time.monotonic() + seconds(timeout)
+        status = MPI.Status()
+        pause = 0.0
+        try:
+            while not self._request.Test(status):
+                if time.monotonic() >= deadline:
+                    raise timeout_error(self._transport.name, self._op, self._nbytes, timeout)
+                time.sleep(pause)
+                pause = min(pause * 2 or 20e-6, 1e-3)
+        except MPI.Exception as exc:
+            raise self._transport.failed(self._op, self._nbytes, exc) from exc
+        if self._op == "recv" and status.Get_count(MPI.BYTE) != self._nbytes:
+            raise TransferError(f"{self._transport.name}: expected a {self._nbytes}-byte message, "
+                                f"got {status.Get_count(MPI.BYTE)} bytes")
+
+
+class MPITransport(Transport):
+    """Point-to-point over an mpi4py communicator (an intercommunicator from Accept/Connect)."""
+
+    name = "mpi"
+
+    def __init__(self, comm: Any, peer: int = 0, *, tag: int = DEFAULT_TAG) -> None:
+        super().__init__()
+        MPI = _mpi()
+        self.comm = comm
+        self.peer = int(peer)
+        self.tag = int(tag)
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+
+    @classmethod
+    def accept(cls, publish: Callable[[str], None], timeout: timedelta) -> "MPITransport":
+        """Open a port, hand its name to ``publish`` (a file, the control plane), accept one peer."""
+        MPI = _mpi()
+        port = MPI.Open_port()
+        publish(port)
+        try:
+            comm = _blocking_within(lambda: MPI.COMM_SELF.Accept(port), timeout, "accept")
+        finally:
+            MPI.Close_port(port)
+        return cls(comm, 0)
+
+    @classmethod
+    def connect(cls, port_name: str, timeout: timedelta) -> "MPITransport":
+        """Connect to a port opened by :meth:`accept` on the peer."""
+        MPI = _mpi()
+        comm = _blocking_within(lambda: MPI.COMM_SELF.Connect(port_name), timeout, "connect")
+        return cls(comm, 0)
+
+    def failed(self, op: str, nbytes: int, exc: BaseException) -> TransferError:
+        """A TransferError for an MPI failure."""
+        first = str(exc).splitlines()[0]
+        return TransferError(f"{self.name}: {op} of {nbytes} bytes with peer {self.peer} failed: {first}",
+                             hint="the peer is probably gone; connect to another donor and retry")
+
+    def _start(self, op: str, buf: "torch.Tensor", timeout: timedelta) -> Handle:
+        MPI = _mpi()
+        if buf.device.type != "cpu":
+            raise TypeError(f"MPITransport needs CPU buffers, got one on {buf.device}")
+        spec = [buf.numpy(), MPI.BYTE]
+        try:
+            if op == "send":
+                request = self.comm.Isend(spec, dest=self.peer, tag=self.tag)
+            else:
+                request = self.comm.Irecv(spec, source=self.peer, tag=self.tag)
+        except MPI.Exception as exc:
+            raise self.failed(op, buf.numel(), exc) from exc
+        return _RequestHandle(self, request, op, buf.numel())
+
+    def _send(self, buf: "torch.Tensor", timeout: timedelta) -> None:
+        self._start("send", buf, timeout).wait(timeout)
+
+    def _recv(self, buf: "torch.Tensor", timeout: timedelta) -> None:
+        self._start("recv", buf, timeout).wait(timeout)
+
+    def _isend(self, buf: "torch.Tensor", timeout: timedelta) -> Handle:
+        return self._start("send", buf, timeout)
+
+    def _irecv(self, buf: "torch.Tensor", timeout: timedelta) -> Handle:
+        return self._start("recv", buf, timeout)
+
+    def close(self) -> None:
+        """Disconnect from a healthy peer; a broken communicator is only dropped (Disconnect could hang)."""
+        comm, self.comm = self.comm, None
+        if comm is None or self.broken is not None:
+            return
+        try:
+            comm.Disconnect()
+        except Exception as exc:  # pragma: no cover - depends on the MPI library
+            logger.debug("MPI Disconnect failed: %s", exc)
+
+
+def _blocking_within(call: Callable[[], Any], timeout: timedelta, what: str) -> Any:
+    """Run a blocking MPI call on a helper thread; TransferTimeout if it does not return in time."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = call()
+        except BaseException as exc:  # handed to the caller below
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"tp-mpi-{what}", daemon=True)
+    thread.start()
+    thread.join(seconds(timeout))
+    if thread.is_alive():
+        raise timeout_error("mpi", what, 0, timeout, "the peer did not show up; the MPI call is abandoned")
+    if "error" in result:
+        raise TransferError(f"mpi: {what} failed: {str(result['error']).splitlines()[0]}") from result["error"]
+    return result["value"]
