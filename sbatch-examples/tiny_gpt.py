@@ -222,10 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = ElasticTrainer(rt, model, opt, state=state)
     trainer.start()  # joins the group; a spare promoted live receives the state here
     ckpt_dir = checkpoint_dir(args)
-    if ckpt_dir and not trainer.received_state:
-        trainer.step = checkpoint.load_latest(state, ckpt_dir) or 0
-        if trainer.step:
-            rt.log.info("resumed at step %d from %s", trainer.step, ckpt_dir)
+    if trainer.resume_from_checkpoint(ckpt_dir) and not trainer.received_state:
+        rt.log.info("resumed at step %d from %s", trainer.step, ckpt_dir)
 
     def train_step(step: int, ddp_model: nn.Module) -> torch.Tensor:
         # Per-rank randomness (dropout) is a function of (seed, rank, step), so a

@@ -28,6 +28,12 @@ ENV_RANK_BASE = "TORCHPASS_RANK_BASE"
 #: epoch's process group meets under the prefix ``epoch<N>`` in it.
 ENV_STORE = "TORCHPASS_STORE"
 
+#: How a lost rank is recovered: "live" (migrate the state to a spare when the
+#: training runs the elastic loop, else restart) or "restart" (always restart
+#: every rank from the last checkpoint; the baseline).
+ENV_RECOVERY = "TORCHPASS_RECOVERY"
+RECOVERY_MODES = ("live", "restart")
+
 #: Timeout of one Slurm command, seconds (env TORCHPASS_SLURM_TIMEOUT).
 ENV_SLURM_TIMEOUT = "TORCHPASS_SLURM_TIMEOUT"
 DEFAULT_SLURM_TIMEOUT_S = 30.0

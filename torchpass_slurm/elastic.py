@@ -48,8 +48,13 @@ logger = logging.getLogger(__name__)
 
 #: How long a rank whose collective failed waits for the supervisor's reconfigure.
 RECONFIGURE_TIMEOUT = datetime.timedelta(seconds=120)
-#: Collective timeout of every epoch's group: bounds how long a silent peer blocks.
-GROUP_TIMEOUT = datetime.timedelta(seconds=60)
+#: How long building an epoch's group waits for every rank to join.
+RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)
+#: Timeout of one collective (env TORCHPASS_COLLECTIVE_TIMEOUT, seconds). A dead peer
+#: usually fails a collective at once (connection reset); one that vanished silently
+#: blocks its peers this long, so it bounds detection by the ranks themselves.
+ENV_COLLECTIVE_TIMEOUT = "TORCHPASS_COLLECTIVE_TIMEOUT"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 15.0
 #: Timeout of one state transfer call.
 TRANSFER_TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -71,6 +76,13 @@ def is_comm_error(exc: BaseException) -> bool:
         return False
     text = f"{type(exc).__name__} {exc}".lower()
     return any(marker in text for marker in _COMM_MARKERS)
+
+
+def collective_timeout() -> datetime.timedelta:
+    from torchpass_slurm.config import env_float
+
+    return datetime.timedelta(seconds=env_float(ENV_COLLECTIVE_TIMEOUT, DEFAULT_COLLECTIVE_TIMEOUT_S,
+                                                minimum=1.0))
 
 
 class ElasticTrainer:
@@ -102,13 +114,24 @@ class ElasticTrainer:
             return
         self._started = True
         if self.rt.world_size > 1 or self.rt.info and self.rt.info.store_addr:
-            self.rt.init_process_group(self.backend, GROUP_TIMEOUT)
+            self.rt.init_process_group(self.backend, collective_timeout(), RENDEZVOUS_TIMEOUT)
         self.rt.report("live_ready", step=self.step, epoch=self.rt.epoch)
         if self.rt.is_spare_promoted and (self.rt.promotion or {}).get("mode") == "live":
             self.step = -1
             self._sync_state()
             self._first_step_pending = True
         self._wrap()
+
+    def resume_from_checkpoint(self, directory: Any) -> int:
+        """Load the newest checkpoint unless the state came live from a replica; the step."""
+        from torchpass_slurm import checkpoint
+
+        if self.received_state or directory is None:
+            return self.step
+        self.step = checkpoint.load_latest(self.state, directory) or 0
+        if self.rt.rank == 0:
+            self.rt.report("resumed", step=self.step, epoch=self.rt.epoch)
+        return self.step
 
     def close(self) -> None:
         """Leave the group together with the others (rank 0 may host the rendezvous)."""
@@ -172,7 +195,7 @@ class ElasticTrainer:
 
     def _reconfigure(self, body: Mapping[str, Any]) -> None:
         started = time.monotonic()
-        self.rt.rejoin(body, self.backend, GROUP_TIMEOUT)
+        self.rt.rejoin(body, self.backend, collective_timeout(), RENDEZVOUS_TIMEOUT)
         self.rt.report("group_rebuilt", seconds=round(time.monotonic() - started, 4),
                        epoch=self.rt.epoch)
         self._sync_state()

@@ -142,6 +142,10 @@ def connect_control(endpoint: str, secret_file: str, sender: str) -> ControlClie
     return ControlClient(endpoint, load_secret(Path(secret_file)), sender)
 
 
+class RendezvousTimeout(RuntimeError):
+    """Not every rank arrived at an epoch's rendezvous in time (a failed collective, for recovery)."""
+
+
 class Kinds:
     """Message kinds, from :mod:`torchpass_slurm.control.messages` (which imports no zmq)."""
 
@@ -420,18 +424,23 @@ class Runtime:
         """Record the step this rank has reached; the next heartbeat carries it."""
         self.step = step
 
-    def init_process_group(self, backend: str = "gloo", timeout: datetime.timedelta = DEFAULT_PG_TIMEOUT) -> None:
+    def init_process_group(self, backend: str = "gloo", timeout: datetime.timedelta = DEFAULT_PG_TIMEOUT,
+                           rendezvous_timeout: datetime.timedelta | None = None) -> None:
         """Initialize torch.distributed for this rank's epoch.
 
         Under tp run the group meets in the supervisor's store under the prefix
         ``epoch<N>``, so that a later epoch can be built in the same processes
         (:meth:`rejoin`). Elsewhere it uses ``env://`` (MASTER_ADDR/PORT).
+        ``timeout`` bounds every collective; ``rendezvous_timeout`` (default:
+        the same) how long to wait for every rank to arrive.
         """
         info = self._info()
         import torch.distributed as dist
 
         if info.store_addr and info.store_port:
-            store = dist.PrefixStore(f"epoch{info.epoch}", self._store(info, timeout))
+            wait = rendezvous_timeout or timeout
+            store = dist.PrefixStore(f"epoch{info.epoch}", self._store(info, max(wait, timeout)))
+            self._await_all_ranks(store, info, wait)
             dist.init_process_group(backend=backend, store=store, rank=info.rank,
                                     world_size=info.world_size, timeout=timeout)
             self.log.info("process group up: backend=%s store=%s:%s epoch %d", backend,
@@ -444,8 +453,24 @@ class Runtime:
                                 world_size=info.world_size, timeout=timeout)
         self.log.info("process group up: backend=%s master=%s:%s", backend, info.master_addr, info.master_port)
 
+    def _await_all_ranks(self, store: Any, info: RankInfo, wait: datetime.timedelta) -> None:
+        """Count in at the epoch's store and wait (polling) until every rank has.
+
+        Kept apart from the group's own rendezvous, whose timeout is also the
+        collective timeout: a rank that is still stuck in the old epoch's
+        collective may take that long to arrive.
+        """
+        store.add("torchpass/joined", 1)
+        deadline = time.monotonic() + wait.total_seconds()
+        while (joined := store.add("torchpass/joined", 0)) < info.world_size:
+            if time.monotonic() > deadline:
+                raise RendezvousTimeout(f"rendezvous of epoch {info.epoch} timed out after {wait}: "
+                                        f"{joined} of {info.world_size} ranks arrived")
+            time.sleep(0.05)
+
     def rejoin(self, body: Mapping[str, Any], backend: str = "gloo",
-               timeout: datetime.timedelta = DEFAULT_PG_TIMEOUT) -> None:
+               timeout: datetime.timedelta = DEFAULT_PG_TIMEOUT,
+               rendezvous_timeout: datetime.timedelta | None = None) -> None:
         """Drop the broken process group and build the one of a reconfigure message's epoch."""
         import torch.distributed as dist
 
@@ -460,7 +485,7 @@ class Runtime:
                              master_addr=info.master_addr, master_port=info.master_port,
                              epoch=int(body["epoch"]), store_addr=str(body["store_addr"]),
                              store_port=int(body["store_port"]))
-        self.init_process_group(backend, timeout)
+        self.init_process_group(backend, timeout, rendezvous_timeout)
 
     def report(self, event: str, **fields: Any) -> None:
         """Tell the supervisor a fact for the event log (sent at once by the heartbeat thread)."""

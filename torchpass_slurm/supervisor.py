@@ -79,6 +79,7 @@ class Migration:
     started: float
     committed: int | None  # the highest step survivors had reported before the fault
     failed: tuple[str, ...]
+    resolution: str = "live"
 
 
 #: Facts a rank reports that go to the event log as they are.
@@ -100,7 +101,7 @@ class Supervisor:
     def __init__(self, *, job_id: int, run_dir: Path, membership: Membership,
                  launcher: StepLauncher, server: ControlServer, slurm: SlurmBackend,
                  events: ev.EventLog, config: SupervisorConfig,
-                 store: tuple[str, int] = ("", 0)) -> None:
+                 store: tuple[str, int] = ("", 0), recovery: str = "live") -> None:
         self.job_id = job_id
         self.run_dir = run_dir
         self.membership = membership
@@ -122,6 +123,7 @@ class Supervisor:
         #: the live migration in progress (waiting for its first step)
         self.migration: Migration | None = None
         self.store_addr, self.store_port = store
+        self.recovery = recovery
         #: objects that must live as long as the supervisor (the rendezvous store)
         self.keepalive: Any = None
 
@@ -196,6 +198,8 @@ class Supervisor:
             self.events.append(event, node=node, **fields)
             if event == ev.FIRST_STEP and self.migration is not None:
                 self._migration_done(fields)
+        elif event == "resumed":
+            self._restart_done(fields)
         else:
             logger.warning("ignoring an unknown report %r from %s", event, node)
 
@@ -358,6 +362,9 @@ class Supervisor:
         self.restarts += 1
         self.events.append(ev.RESTARTED, restarts=self.restarts, active=list(new.active),
                            spares=list(new.spares), from_checkpoint=True)
+        committed = max((self.steps[n].last_step or 0) for n in survivors) if survivors else None
+        self.migration = Migration(epoch=new.epoch, started=time.time(), committed=committed,
+                                   failed=tuple(f.node for f in faults), resolution="checkpoint")
         self.state = RunState.LAUNCHING
 
     # -- live migration ------------------------------------------------------
@@ -365,7 +372,7 @@ class Supervisor:
         """Every surviving active rank runs the elastic loop, and a spare is there per loss."""
         lost = {f.node for f in faults}
         survivors = [self.steps[n] for n in self.membership.active if n not in lost]
-        return (bool(survivors) and bool(self.store_port)
+        return (self.recovery == "live" and bool(survivors) and bool(self.store_port)
                 and all(s.live and s.state == WorkerState.RUNNING for s in survivors)
                 and len(self.membership.spares) >= len(lost))
 
@@ -414,8 +421,7 @@ class Supervisor:
 
     def _migration_done(self, fields: Mapping[str, Any]) -> None:
         mig = self.migration
-        assert mig is not None
-        if fields.get("epoch", mig.epoch) != mig.epoch:
+        if mig is None or mig.resolution != "live" or fields.get("epoch", mig.epoch) != mig.epoch:
             return
         agreed = self._agreed_step(mig.epoch)
         lost = None if mig.committed is None or agreed is None else max(0, mig.committed - agreed)
@@ -424,6 +430,18 @@ class Supervisor:
                            seconds=round(time.time() - mig.started, 3))
         self.migration = None
         self.state = RunState.RUNNING
+
+    def _restart_done(self, fields: Mapping[str, Any]) -> None:
+        """Rank 0 resumed from the checkpoint after a restart: the steps since it are lost."""
+        mig = self.migration
+        if mig is None or mig.resolution != "checkpoint" or fields.get("epoch") != mig.epoch:
+            return
+        resumed = int(fields.get("step", 0))
+        lost = None if mig.committed is None else max(0, mig.committed - resumed)
+        self.events.append(ev.MIGRATION_DONE, resolution="checkpoint", lost_steps=lost,
+                           recomputed_steps=lost, resumed_step=resumed, failed=list(mig.failed),
+                           seconds=round(time.time() - mig.started, 3))
+        self.migration = None
 
     def _agreed_step(self, epoch: int) -> int | None:
         for event in reversed(ev.read_events(self.events.path)):

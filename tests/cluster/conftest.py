@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster.harness import COMPUTE, SCRIPT, Cluster, shared_dir
+from tests.cluster.harness import COMPUTE, SCRIPT, Cluster, shared_dir, wait_for
+from tests.cluster.jobs import final_hash, submit
 
 
 def _cluster_running() -> bool:
@@ -49,4 +50,24 @@ def healthy_cluster(cluster: Cluster) -> Iterator[Cluster]:
         cluster.ensure_healthy()
 
 
-__all__ = ["cluster", "healthy_cluster", "COMPUTE"]
+@pytest.fixture(scope="session")
+def reference_hash(cluster: Cluster) -> str:
+    """The fault-free run: 3 active nodes + 1 spare; also the 'done when' of tp-submit."""
+    cluster.ensure_healthy()
+    job = submit(cluster, "-N", "3", "--spares", "1")
+    wait_for(lambda: job.host_run_dir.joinpath("status.json").exists() and
+             all(n["state"] in ("running", "standby") for n in job.status()["nodes"]),
+             timeout=120, what="every step up")
+    allocated = cluster.exec("ctl", "scontrol", "show", "hostnames",
+                             cluster.job_field(job.job_id, "NodeList")).stdout.split()
+    assert len(allocated) == 4
+    roles = sorted(n["role"] for n in job.status()["nodes"])
+    assert roles == ["active", "active", "active", "spare"]
+    assert cluster.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+    kinds = job.kinds()
+    assert kinds[0] == "started" and kinds[-1] == "finished"
+    assert "restarted" not in kinds
+    return final_hash(job)
+
+
+__all__ = ["cluster", "healthy_cluster", "reference_hash", "COMPUTE"]

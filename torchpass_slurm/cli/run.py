@@ -28,10 +28,14 @@ from torchpass_slurm.errors import ConfigError
               help="Ranks per node [env TORCHPASS_NTASKS_PER_NODE, SLURM_NTASKS_PER_NODE, 1].")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="The job's output folder [env TORCHPASS_RUN_DIR, default ./torchpass-run-JOBID].")
+@click.option("--recovery", type=click.Choice(cfg.RECOVERY_MODES), envvar=cfg.ENV_RECOVERY,
+              default="live", show_default=True,
+              help="live: move a lost rank's state to a spare (trainings on the elastic loop); "
+                   "restart: restart every rank from the last checkpoint [env TORCHPASS_RECOVERY].")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @pass_app
 def run(app: App, spares: int | None, ntasks_per_node: int | None, run_dir: Path | None,
-        command: tuple[str, ...]) -> None:
+        recovery: str, command: tuple[str, ...]) -> None:
     """Run COMMAND on the job's nodes under the torchpass supervisor.
 
     Use it inside a batch script where you would write `srun COMMAND`. The
@@ -53,7 +57,7 @@ def run(app: App, spares: int | None, ntasks_per_node: int | None, run_dir: Path
     run_dir = run_dir or Path(os.environ.get(cfg.ENV_RUN_DIR) or f"torchpass-run-{job_id}")
     supervisor = build_supervisor(job_id=int(job_id), command=command, spares=spares,
                                   ntasks_per_node=k, run_dir=run_dir.resolve(),
-                                  host=socket.gethostname())
+                                  host=socket.gethostname(), recovery=recovery)
     result = supervisor.run()
     click.echo(f"tp run: {result.message} (exit {result.exit_code}, epoch {result.epoch}, "
                f"restarts {result.restarts})", err=True)

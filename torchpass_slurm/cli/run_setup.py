@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 def build_supervisor(*, job_id: int, command: Sequence[str], spares: int, ntasks_per_node: int,
-                     run_dir: Path, host: str) -> Supervisor:
+                     run_dir: Path, host: str, recovery: str = "live") -> Supervisor:
     slurm = select_backend()
     job = slurm.job(job_id)
     nodes = _ordered_nodes(job.nodes, job.batch_host)
@@ -53,7 +53,8 @@ def build_supervisor(*, job_id: int, command: Sequence[str], spares: int, ntasks
     supervisor = Supervisor(job_id=job_id, run_dir=run_dir, membership=membership,
                             launcher=launcher, server=server, slurm=slurm, events=events,
                             config=cfg.SupervisorConfig(),
-                            store=(host, store.port) if store is not None else ("", 0))
+                            store=(host, store.port) if store is not None else ("", 0),
+                            recovery=recovery)
     supervisor.keepalive = store  # the store lives as long as the supervisor
     return supervisor
 

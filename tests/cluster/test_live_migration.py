@@ -1,0 +1,100 @@
+"""Live migration on the real cluster: the oracle of the whole product.
+
+A deterministic DDP training (sbatch-examples/tiny_gpt.py on ElasticTrainer)
+with 3 active nodes and hot spares; nodes or rank processes die mid-run; the
+survivors keep their processes and memory, a spare receives the full state
+from a data-parallel replica and takes the lost logical rank. The final model
+and optimizer state must be bitwise equal to the fault-free run's
+(``reference_hash``), and ``tp report`` must count every fault as resolved by
+live migration with no committed step lost.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.cluster.harness import Cluster, wait_for
+from tests.cluster.jobs import TpJob, active_victim, final_hash, kill_rank, submit
+
+pytestmark = pytest.mark.cluster
+
+
+def migrations_done(job: TpJob) -> list[dict]:
+    return [e for e in job.events() if e["kind"] == "migration_done"]
+
+
+def wait_migrated(job: TpJob, count: int, timeout: float = 180) -> None:
+    wait_for(lambda: len(migrations_done(job)) >= count, timeout=timeout,
+             what=f"{count} migration(s) of job {job.job_id} done", interval=1)
+
+
+def report(c: Cluster, job: TpJob) -> dict:
+    return json.loads(c.exec("ctl", "tp", "report", job.job_id, "--json").stdout)
+
+
+def assert_all_live(c: Cluster, job: TpJob, faults: int) -> None:
+    done = migrations_done(job)
+    assert [d["resolution"] for d in done] == ["live"] * faults, done
+    assert all(d["lost_steps"] == 0 for d in done), done
+    assert not [e for e in job.events() if e["kind"] == "restarted"]
+    summary = report(c, job)["summary"]
+    assert summary["faults"] == faults and summary["no_lost_progress"] == faults, summary
+    assert summary["by_resolution"]["live"]["faults"] == faults, summary
+    noun = "fault" if faults == 1 else "faults"
+    assert f"{faults} of {faults} {noun} resolved by live migration with 0 committed steps lost" \
+        in summary["text"], summary
+
+
+def test_two_node_kills_migrate_live_with_bitwise_equal_state(
+        healthy_cluster: Cluster, reference_hash: str) -> None:
+    c = healthy_cluster
+    job = submit(c, "-N", "3", "--spares", "2")
+    job.wait_step(5)
+    first = active_victim(c, job)
+    c.kill(first)
+    wait_migrated(job, 1)
+    job.wait_step(job.last_step() + 2)
+    second = active_victim(c, job)
+    assert second != first
+    c.kill(second)
+    assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+    assert c.job_field(job.job_id, "Restarts") == "0"
+    promoted = [(e["replaces"], e["mode"]) for e in job.events() if e["kind"] == "spare_promoted"]
+    assert promoted == [(first, "live"), (second, "live")]
+    assert_all_live(c, job, 2)
+    transfers = [e for e in job.events() if e["kind"] == "transfer_done"]
+    assert len(transfers) == 2 and all(t["bytes"] > 1_000_000 for t in transfers), transfers
+    assert final_hash(job) == reference_hash
+
+
+def test_two_rank_kills_migrate_live_with_bitwise_equal_state(
+        healthy_cluster: Cluster, reference_hash: str) -> None:
+    c = healthy_cluster
+    job = submit(c, "-N", "3", "--spares", "2")
+    job.wait_step(5)
+    first = active_victim(c, job)
+    kill_rank(c, first)
+    wait_migrated(job, 1)
+    job.wait_step(job.last_step() + 2)
+    second = active_victim(c, job)
+    kill_rank(c, second)
+    assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+    blamed = [e["node"] for e in job.events()
+              if e["kind"] == "step_exited" and e.get("exit_code") not in (0, None)]
+    assert blamed == [first, second], job.events()
+    assert_all_live(c, job, 2)
+    assert final_hash(job) == reference_hash
+
+
+def test_corrupted_chunk_is_fetched_again(healthy_cluster: Cluster, reference_hash: str) -> None:
+    c = healthy_cluster
+    job = submit(c, "-N", "3", "--spares", "1", env={"TORCHPASS_TEST_CORRUPT_CHUNKS": "0"})
+    job.wait_step(5)
+    c.kill(active_victim(c, job))
+    assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+    transfers = [e for e in job.events() if e["kind"] == "transfer_done"]
+    assert len(transfers) == 1 and transfers[0]["retries"] == 1, transfers
+    assert_all_live(c, job, 1)
+    assert final_hash(job) == reference_hash
