@@ -29,7 +29,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
 from torchpass_slurm.transfer.errors import TransferError
-from torchpass_slurm.transfer.transport import Handle, Transport, seconds, timeout_error
+from torchpass_slurm.transfer.transport import AsyncTransport, Handle, seconds, timeout_error
 
 if TYPE_CHECKING:
     import torch
@@ -80,7 +80,7 @@ class _RequestHandle(Handle):
                                 f"got {status.Get_count(MPI.BYTE)} bytes")
 
 
-class MPITransport(Transport):
+class MPITransport(AsyncTransport):
     """Point-to-point over an mpi4py communicator (an intercommunicator from Accept/Connect)."""
 
     name = "mpi"
@@ -132,17 +132,6 @@ class MPITransport(Transport):
             raise self.failed(op, buf.numel(), exc) from exc
         return _RequestHandle(self, request, op, buf.numel())
 
-    def _send(self, buf: "torch.Tensor", timeout: timedelta) -> None:
-        self._start("send", buf, timeout).wait(timeout)
-
-    def _recv(self, buf: "torch.Tensor", timeout: timedelta) -> None:
-        self._start("recv", buf, timeout).wait(timeout)
-
-    def _isend(self, buf: "torch.Tensor", timeout: timedelta) -> Handle:
-        return self._start("send", buf, timeout)
-
-    def _irecv(self, buf: "torch.Tensor", timeout: timedelta) -> Handle:
-        return self._start("recv", buf, timeout)
 
     def close(self) -> None:
         """Disconnect from a healthy peer; a broken communicator is only dropped (Disconnect could hang)."""

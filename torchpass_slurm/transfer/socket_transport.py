@@ -25,7 +25,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from torchpass_slurm.transfer.errors import TransferError
-from torchpass_slurm.transfer.transport import Handle, Transport, seconds, timeout_error
+from torchpass_slurm.transfer.transport import AsyncTransport, Handle, seconds, timeout_error
 
 if TYPE_CHECKING:
     import torch
@@ -71,7 +71,7 @@ class _FutureHandle(Handle):
             raise timeout_error(self._name, self._op, self._nbytes, timeout) from None
 
 
-class SocketTransport(Transport):
+class SocketTransport(AsyncTransport):
     """A TCP connection to one peer (or any connected stream socket, e.g. a socketpair)."""
 
     name = "socket"
@@ -145,17 +145,6 @@ class SocketTransport(Transport):
         future = self._workers[op].submit(self._io, op, buf, timeout)
         return _FutureHandle(future, self.name, op, buf.numel())
 
-    def _send(self, buf: "torch.Tensor", timeout: timedelta) -> None:
-        self._start("send", buf, timeout).wait(timeout)
-
-    def _recv(self, buf: "torch.Tensor", timeout: timedelta) -> None:
-        self._start("recv", buf, timeout).wait(timeout)
-
-    def _isend(self, buf: "torch.Tensor", timeout: timedelta) -> Handle:
-        return self._start("send", buf, timeout)
-
-    def _irecv(self, buf: "torch.Tensor", timeout: timedelta) -> Handle:
-        return self._start("recv", buf, timeout)
 
     def close(self) -> None:
         """Close the socket; operations in flight fail with TransferError."""

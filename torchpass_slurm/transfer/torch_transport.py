@@ -25,7 +25,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from torchpass_slurm.transfer.errors import TransferError
-from torchpass_slurm.transfer.transport import Handle, Transport, timeout_error
+from torchpass_slurm.transfer.transport import AsyncTransport, Handle, timeout_error
 
 if TYPE_CHECKING:
     import torch
@@ -52,7 +52,7 @@ class _WorkHandle(Handle):
             raise self._transport.translate(exc, self._op, self._nbytes, timeout) from exc
 
 
-class TorchTransport(Transport):
+class TorchTransport(AsyncTransport):
     """Point-to-point over a torch.distributed process group (gloo or NCCL)."""
 
     name = "torch"
@@ -86,7 +86,7 @@ class TorchTransport(Transport):
         return TransferError(f"{self.name}: {op} of {nbytes} bytes with peer rank {self.peer} failed: {first}",
                              hint="the peer is probably gone; rebuild the group and retry with another donor")
 
-    def _start(self, buf: "torch.Tensor", op: str, timeout: timedelta) -> Handle:
+    def _start(self, op: str, buf: "torch.Tensor", timeout: timedelta) -> Handle:
         try:
             if op == "send":
                 work = self.group.send([buf], self.peer, self.tag)
@@ -96,17 +96,6 @@ class TorchTransport(Transport):
             raise self.translate(exc, op, buf.numel(), timeout) from exc
         return _WorkHandle(self, work, op, buf.numel())
 
-    def _send(self, buf: "torch.Tensor", timeout: timedelta) -> None:
-        self._start(buf, "send", timeout).wait(timeout)
-
-    def _recv(self, buf: "torch.Tensor", timeout: timedelta) -> None:
-        self._start(buf, "recv", timeout).wait(timeout)
-
-    def _isend(self, buf: "torch.Tensor", timeout: timedelta) -> Handle:
-        return self._start(buf, "send", timeout)
-
-    def _irecv(self, buf: "torch.Tensor", timeout: timedelta) -> Handle:
-        return self._start(buf, "recv", timeout)
 
     def close(self) -> None:
         """Nothing to release: the process group belongs to the caller."""

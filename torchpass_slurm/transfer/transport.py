@@ -33,7 +33,7 @@ from torchpass_slurm.transfer.errors import TransferError, TransferTimeout
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Transport", "Handle", "DoneHandle", "check_buffer", "seconds"]
+__all__ = ["Transport", "AsyncTransport", "Handle", "DoneHandle", "check_buffer", "seconds"]
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +157,26 @@ class Transport(ABC):
     def _guarded_handle(self, handle: object) -> Handle:
         assert isinstance(handle, Handle)
         return _GuardedHandle(self, handle)
+
+
+class AsyncTransport(Transport):
+    """A transport whose every operation is started by :meth:`_start` and waited on its handle."""
+
+    @abstractmethod
+    def _start(self, op: str, buf: "torch.Tensor", timeout: timedelta) -> Handle:
+        """Start ``op`` ("send" or "recv") on ``buf``; return its handle."""
+
+    def _send(self, buf: "torch.Tensor", timeout: timedelta) -> None:
+        self._start("send", buf, timeout).wait(timeout)
+
+    def _recv(self, buf: "torch.Tensor", timeout: timedelta) -> None:
+        self._start("recv", buf, timeout).wait(timeout)
+
+    def _isend(self, buf: "torch.Tensor", timeout: timedelta) -> Handle:
+        return self._start("send", buf, timeout)
+
+    def _irecv(self, buf: "torch.Tensor", timeout: timedelta) -> Handle:
+        return self._start("recv", buf, timeout)
 
 
 class _GuardedHandle(Handle):
