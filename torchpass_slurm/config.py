@@ -34,9 +34,13 @@ ENV_STORE = "TORCHPASS_STORE"
 ENV_RECOVERY = "TORCHPASS_RECOVERY"
 RECOVERY_MODES = ("live", "restart")
 
-#: Timeout of one Slurm command, seconds (env TORCHPASS_SLURM_TIMEOUT).
-ENV_SLURM_TIMEOUT = "TORCHPASS_SLURM_TIMEOUT"
-DEFAULT_SLURM_TIMEOUT_S = 30.0
+#: Timeout of one Slurm command: TORCHPASS_SLURM_TIMEOUT, read by slurm/runner.py.
+
+#: Timeout of one collective in the elastic loop, seconds. A dead peer usually
+#: fails a collective at once (connection reset); one that vanished silently
+#: blocks its peers this long, so it bounds detection by the ranks themselves.
+ENV_COLLECTIVE_TIMEOUT = "TORCHPASS_COLLECTIVE_TIMEOUT"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 15.0
 
 
 def env_float(name: str, default: float, *, minimum: float = 0.0) -> float:

@@ -50,11 +50,6 @@ logger = logging.getLogger(__name__)
 RECONFIGURE_TIMEOUT = datetime.timedelta(seconds=120)
 #: How long building an epoch's group waits for every rank to join.
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)
-#: Timeout of one collective (env TORCHPASS_COLLECTIVE_TIMEOUT, seconds). A dead peer
-#: usually fails a collective at once (connection reset); one that vanished silently
-#: blocks its peers this long, so it bounds detection by the ranks themselves.
-ENV_COLLECTIVE_TIMEOUT = "TORCHPASS_COLLECTIVE_TIMEOUT"
-DEFAULT_COLLECTIVE_TIMEOUT_S = 15.0
 #: Timeout of one state transfer call.
 TRANSFER_TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -65,6 +60,11 @@ _COMM_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "closed",
 
 def is_comm_error(exc: BaseException) -> bool:
     """True when ``exc`` looks like a failed collective (a peer died), not a user bug."""
+    from torchpass_slurm.runtime import RendezvousTimeout
+    from torchpass_slurm.transfer.errors import TransferError
+
+    if isinstance(exc, (TransferError, RendezvousTimeout)):
+        return True
     try:
         import torch.distributed as dist
 
@@ -79,10 +79,11 @@ def is_comm_error(exc: BaseException) -> bool:
 
 
 def collective_timeout() -> datetime.timedelta:
-    from torchpass_slurm.config import env_float
+    """Timeout of one collective: ``TORCHPASS_COLLECTIVE_TIMEOUT`` (see config)."""
+    from torchpass_slurm import config
 
-    return datetime.timedelta(seconds=env_float(ENV_COLLECTIVE_TIMEOUT, DEFAULT_COLLECTIVE_TIMEOUT_S,
-                                                minimum=1.0))
+    return datetime.timedelta(seconds=config.env_float(
+        config.ENV_COLLECTIVE_TIMEOUT, config.DEFAULT_COLLECTIVE_TIMEOUT_S, minimum=1.0))
 
 
 class ElasticTrainer:
@@ -118,8 +119,12 @@ class ElasticTrainer:
         self.rt.report("live_ready", step=self.step, epoch=self.rt.epoch)
         if self.rt.is_spare_promoted and (self.rt.promotion or {}).get("mode") == "live":
             self.step = -1
-            self._sync_state()
             self._first_step_pending = True
+            try:
+                self._sync_state()
+            except Exception as exc:  # e.g. the donor died mid-transfer: the next epoch resumes it
+                self._recover_or_raise(exc)
+                return
         self._wrap()
 
     def resume_from_checkpoint(self, directory: Any) -> int:
@@ -173,8 +178,8 @@ class ElasticTrainer:
 
     # -- recovery ------------------------------------------------------------
     def _recover_or_raise(self, exc: Exception) -> None:
-        if not is_comm_error(exc):
-            raise exc
+        if not is_comm_error(exc) or self.rt.role.value == "plain":
+            raise exc  # a bug, or no supervisor to reconfigure the group (plain srun/torchrun)
         self.rt.log.warning("collective failed at step %d: %s", self.step, str(exc)[:200])
         self.rt.report("collective_failed", step=self.step, error=str(exc)[:200],
                        epoch=self.rt.epoch)
@@ -225,7 +230,9 @@ class ElasticTrainer:
                 self._send_state(recv, committed)
             elif self.rt.rank == recv:
                 self._receive_state(donor, committed)
-        dist.barrier()
+        # Ranks outside the transfer wait here for as long as a transfer may take,
+        # not just one collective's timeout.
+        dist.monitored_barrier(timeout=TRANSFER_TIMEOUT)
         self.step = committed
 
     def _state_dicts(self) -> dict[str, Any]:

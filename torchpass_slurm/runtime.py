@@ -1,14 +1,17 @@
 """The in-rank runtime: what a training process calls to join a torchpass job.
 
-One call at the top of the training script::
+At the top of the training script (with the elastic loop of
+:mod:`torchpass_slurm.elastic`, which calls the rest)::
 
     from torchpass_slurm import runtime
-    rt = runtime.init()                  # a spare blocks here until promoted
-    rt.init_process_group("gloo")
-    for step in range(start, steps):
-        ...
-        rt.report_step(step)
+    rt = runtime.Runtime.from_env()      # connect; never blocks
+    model, optimizer = build()           # a hot spare builds before it waits
+    rt.start()                           # a spare blocks here until promoted
+    ElasticTrainer(rt, model, optimizer, state=...).fit(train_step, steps)
     rt.close()
+
+or, without it, ``rt = runtime.init()``, ``rt.init_process_group("gloo")``,
+``rt.report_step(step)`` each step and ``rt.close()``.
 
 It reads the environment contract (``docs/design/runtime-contract.md``) and
 runs in one of three modes::

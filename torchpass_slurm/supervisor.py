@@ -10,16 +10,22 @@ The monitor loop is a branch over :class:`RunState`::
     LAUNCHING ──every active rank said hello──► RUNNING
     RUNNING ──every active step exited 0──► SUCCEEDED
     RUNNING ──fault on an active node──► RECOVERING
-    RECOVERING ──spare promoted, survivors relaunched (epoch+1)──► LAUNCHING
+    RECOVERING ──live: spare promoted, survivors reconfigured (epoch+1)──► first step ──► RUNNING
+    RECOVERING ──restart: spare promoted, survivors relaunched (epoch+1)──► LAUNCHING
     RECOVERING ──no spare left──► FAILED
     RUNNING ──fault on a spare──► RUNNING (the pool shrinks)
 
 A fault is whichever comes first of: the node's step exited non-zero, its
 ranks stopped sending heartbeats, Slurm reports the node DOWN / FAIL /
-NOT_RESPONDING or no longer lists it in the job. Recovery in this version is
-an in-allocation restart: the spare takes the lost node's logical ranks, the
-other steps are restarted, and every rank resumes from the last checkpoint
-(the same job id; nothing is requeued).
+NOT_RESPONDING or no longer lists it in the job, or a rank reports a failed
+collective (then the settle window finds the culprit). Recovery is a live
+migration when every surviving rank runs the elastic loop
+(:mod:`torchpass_slurm.elastic`): the spare takes the lost node's logical
+ranks, the survivors rebuild their process group in place and a replica sends
+the spare the state (docs/protocol.md, "Recovery"). Otherwise, or with
+``--recovery restart``, it is an in-allocation restart: the other steps are
+restarted and every rank resumes from the last checkpoint. Either way the job
+id stays the same; nothing is requeued.
 """
 
 from __future__ import annotations
@@ -354,6 +360,10 @@ class Supervisor:
         self.membership = new
         self.events.epoch = new.epoch
         survivors = [n for n in new.active if n not in promoted]
+        committed = max((self.steps[n].last_step or 0) for n in survivors) if survivors else None
+        self.events.append(ev.MIGRATION_STARTED, failed=[f.node for f in faults], spares=promoted,
+                           last_heartbeat=self._last_heartbeat(faults), committed_step=committed,
+                           mode="restart")
         self.launcher.stop([self.steps[n] for n in survivors], self.config.stop_timeout)
         for node in survivors:
             self.steps[node] = self.launcher.launch(node, new)
@@ -362,7 +372,6 @@ class Supervisor:
         self.restarts += 1
         self.events.append(ev.RESTARTED, restarts=self.restarts, active=list(new.active),
                            spares=list(new.spares), from_checkpoint=True)
-        committed = max((self.steps[n].last_step or 0) for n in survivors) if survivors else None
         self.migration = Migration(epoch=new.epoch, started=time.time(), committed=committed,
                                    failed=tuple(f.node for f in faults), resolution="checkpoint")
         self.state = RunState.LAUNCHING
@@ -385,11 +394,11 @@ class Supervisor:
         promoted = [new.active[old.slot_of(f.node)] for f in faults]
         survivors = [n for n in new.active if n not in promoted]
         committed = max((self.steps[n].last_step or 0) for n in survivors)
-        last_hb = max((self.steps[f.node].last_heartbeat or 0.0) for f in faults) or None
         self.membership = new
         self.events.epoch = new.epoch
         self.events.append(ev.MIGRATION_STARTED, failed=[f.node for f in faults],
-                           spares=promoted, last_heartbeat=last_hb, committed_step=committed)
+                           spares=promoted, last_heartbeat=self._last_heartbeat(faults),
+                           committed_step=committed, mode="live")
         for spare, fault in zip(promoted, faults):
             self.events.append(ev.SPARE_PROMOTED, node=spare, replaces=fault.node,
                                ranks=list(new.ranks_of(spare)), mode="live")
@@ -399,6 +408,10 @@ class Supervisor:
         for spare in promoted:
             self._promote(spare, mode="live")
         self.state = RunState.RECOVERING
+
+    def _last_heartbeat(self, faults: list[Fault]) -> float | None:
+        """When the lost nodes were last heard from: the start of the detection phase."""
+        return max((self.steps[f.node].last_heartbeat or 0.0) for f in faults) or None
 
     def _reconfigure(self, nodes: list[str]) -> None:
         body = {"epoch": self.membership.epoch, "world_size": self.membership.world_size,
@@ -416,16 +429,17 @@ class Supervisor:
         self.events.append(ev.MIGRATION_STARTED, failed=[], spares=[], last_heartbeat=None,
                            committed_step=None, detail=fault.detail)
         self.migration = Migration(epoch=self.membership.epoch, started=time.time(),
-                                   committed=None, failed=())
+                                   committed=None, failed=(), resolution="regroup")
         self._reconfigure(list(self.membership.active))
 
     def _migration_done(self, fields: Mapping[str, Any]) -> None:
         mig = self.migration
-        if mig is None or mig.resolution != "live" or fields.get("epoch", mig.epoch) != mig.epoch:
+        if (mig is None or mig.resolution not in ("live", "regroup")
+                or fields.get("epoch", mig.epoch) != mig.epoch):
             return
         agreed = self._agreed_step(mig.epoch)
         lost = None if mig.committed is None or agreed is None else max(0, mig.committed - agreed)
-        self.events.append(ev.MIGRATION_DONE, resolution="live", lost_steps=lost,
+        self.events.append(ev.MIGRATION_DONE, resolution=mig.resolution, lost_steps=lost,
                            recomputed_steps=1, failed=list(mig.failed),
                            seconds=round(time.time() - mig.started, 3))
         self.migration = None

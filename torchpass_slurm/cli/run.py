@@ -2,8 +2,9 @@
 
 It becomes the job's supervisor: one ``srun --no-kill`` step per node, hot
 spares in standby, heartbeats over the authenticated control plane, a Slurm
-watcher, the event log, and an in-allocation restart on a spare when a node
-or a rank is lost. Its exit status is the training's.
+watcher, the event log, and, when a node or a rank is lost, a live migration
+of its state onto a spare (or an in-allocation restart from the last
+checkpoint). Its exit status is the training's.
 """
 
 from __future__ import annotations

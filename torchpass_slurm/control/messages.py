@@ -54,6 +54,8 @@ __all__ = [
     "BYE",
     "PROMOTE",
     "STOP",
+    "REPORT",
+    "RECONFIGURE",
     "ACK",
     "WORKER_KINDS",
     "SUPERVISOR_KINDS",
@@ -94,7 +96,7 @@ SUPERVISOR_KINDS: frozenset[str] = frozenset({PROMOTE, STOP, RECONFIGURE, ACK})
 ALL_KINDS: frozenset[str] = WORKER_KINDS | SUPERVISOR_KINDS
 
 # --- limits -------------------------------------------------------------------
-PROTOCOL_VERSION = b"tp1"
+PROTOCOL_VERSION = b"tp2"  # tp2: report and reconfigure
 #: Largest payload frame accepted (bytes). Control messages are small; a state
 #: transfer never goes over the control plane.
 MAX_FRAME_BYTES = 64 * 1024

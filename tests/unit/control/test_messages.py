@@ -114,10 +114,10 @@ def test_encode_refuses_unknown_kind_and_bad_bodies() -> None:
 @pytest.mark.parametrize(
     "frames, match",
     [
-        ([b"tp1", b"{}"], "2 frame"),
+        ([b"tp2", b"{}"], "2 frame"),
         ([b"tp9", b"{}", b"\0" * 32], "protocol version"),
-        ([b"tp1", b"{}", b"\0" * 31], "MAC is 31 bytes"),
-        ([b"tp1", b"x" * (m.MAX_FRAME_BYTES + 1), b"\0" * 32], "limit"),
+        ([b"tp2", b"{}", b"\0" * 31], "MAC is 31 bytes"),
+        ([b"tp2", b"x" * (m.MAX_FRAME_BYTES + 1), b"\0" * 32], "limit"),
     ],
 )
 def test_malformed_frames(frames: list[bytes], match: str) -> None:

@@ -42,13 +42,15 @@ def test_a_crashed_rank_is_replaced_by_the_spare(make: Callable[..., Harness], n
 
     kinds = h.kinds()
     fault_at = kinds.index("step_exited")
-    assert kinds[fault_at:fault_at + 3] == ["step_exited", "spare_promoted", "restarted"]
-    fault, promoted, restarted = h.events()[fault_at:fault_at + 3]
+    assert kinds[fault_at:fault_at + 4] == ["step_exited", "spare_promoted", "migration_started",
+                                            "restarted"]
+    fault, promoted, started, restarted = h.events()[fault_at:fault_at + 4]
     assert fault.fields == {"node": "c2", "role": "active", "detector": "step_exited",
                             "exit_code": 137, "detail": "srun step on c2 exited with status 137"}
     assert fault.ts - h.clock.WALL0 >= 3.0 + CONFIG.fault_settle  # blamed only after the settle
     assert (promoted.epoch, promoted.fields) == (1, {"node": "c4", "replaces": "c2",
                                                      "ranks": list(range(ntasks, 2 * ntasks))})
+    assert (started.epoch, started.fields["mode"], started.fields["failed"]) == (1, "restart", ["c2"])
     assert (restarted.epoch, restarted.fields["restarts"]) == (1, 1)
     assert restarted.fields["active"] == ["c1", "c4", "c3"]
     ups = [e.fields["node"] for e in h.of_kind("worker_up") if e.epoch == 1]
