@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.step_sleep)
 
     loss = trainer.fit(train_step, args.steps, on_commit)
+    if trainer.released:  # this node is being drained; a spare carries on with the state
+        rt.close()
+        return 0
     final_loss = mean_over_ranks(loss if loss is not None else torch.tensor(float("nan")), world)
     if rank == 0:
         print(f"done step={args.steps} loss={final_loss:.4f} params_sha256={params_sha256(model)} "

@@ -106,7 +106,10 @@ class ElasticTrainer:
         self._first_step_pending = False
         #: True once this rank received the training state from a replica
         self.received_state = False
+        #: True once this rank left the job (its node was drained); the loop ends
+        self.released = False
         self._started = False
+        self._pending: list[dict[str, Any]] = []
 
     # -- the loop ------------------------------------------------------------
     def start(self) -> None:
@@ -142,7 +145,7 @@ class ElasticTrainer:
         """Leave the group together with the others (rank 0 may host the rendezvous)."""
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        if dist.is_initialized() and not self.released:
             dist.barrier()
             dist.destroy_process_group()
 
@@ -151,10 +154,11 @@ class ElasticTrainer:
         """Run ``train_step`` for every step up to ``steps``; return the last loss."""
         self.start()
         loss = None
-        while self.step < steps:
+        while self.step < steps and not self.released:
             self.optimizer.zero_grad(set_to_none=True)
             try:
                 loss = train_step(self.step, self.ddp_model)
+                planned = self._vote()
             except Exception as exc:
                 self._recover_or_raise(exc)
                 continue
@@ -164,7 +168,59 @@ class ElasticTrainer:
                     on_commit(self.step, loss)
                 except Exception as exc:
                     self._recover_or_raise(exc)
+                    continue
+            if planned:
+                self._switch_planned(planned)
         return loss
+
+    def _vote(self) -> int:
+        """The commit vote: every rank has its reduced gradients once this all-reduce returns.
+
+        It also carries the highest planned epoch any rank has been told of, so
+        that every rank switches to it after the same step.
+        """
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return 0
+        self._collect_reconfigures()
+        planned = max((b["epoch"] for b in self._pending if b.get("planned")), default=0)
+        flag = torch.tensor([planned], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def _collect_reconfigures(self) -> None:
+        while True:
+            body = self.rt.wait_reconfigure(datetime.timedelta(0))
+            if body is None:
+                return
+            self._pending.append(body)
+
+    def _next_reconfigure(self, timeout: datetime.timedelta, epoch: int | None = None
+                          ) -> dict[str, Any] | None:
+        """The pending or next reconfigure for a newer epoch (``epoch``: exactly that one)."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            self._collect_reconfigures()
+            for body in sorted(self._pending, key=lambda b: b["epoch"]):
+                if body["epoch"] > self.rt.epoch and (epoch is None or body["epoch"] == epoch):
+                    self._pending = [b for b in self._pending if b["epoch"] > body["epoch"]]
+                    return body
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            body = self.rt.wait_reconfigure(datetime.timedelta(seconds=min(left, 0.5)))
+            if body is not None:
+                self._pending.append(body)
+
+    def _switch_planned(self, epoch: int) -> None:
+        """A planned migration (an admin drain): leave, or move to the epoch, after this step."""
+        body = self._next_reconfigure(RECONFIGURE_TIMEOUT, epoch)
+        if body is None:
+            raise RuntimeError(f"the supervisor announced epoch {epoch} but sent no reconfigure "
+                               f"within {RECONFIGURE_TIMEOUT}")
+        self._reconfigure(body)
 
     def _commit(self) -> None:
         self.optimizer.step()
@@ -184,7 +240,7 @@ class ElasticTrainer:
         self.rt.report("collective_failed", step=self.step, error=str(exc)[:200],
                        epoch=self.rt.epoch)
         while True:
-            body = self.rt.wait_reconfigure(RECONFIGURE_TIMEOUT)
+            body = self._next_reconfigure(RECONFIGURE_TIMEOUT)
             if body is None:
                 self.rt.log.error("no reconfigure from the supervisor within %s", RECONFIGURE_TIMEOUT)
                 raise exc
@@ -199,6 +255,9 @@ class ElasticTrainer:
                                epoch=self.rt.epoch)
 
     def _reconfigure(self, body: Mapping[str, Any]) -> None:
+        if self.rt.rank in body.get("leave", ()):
+            self._release(body)
+            return
         started = time.monotonic()
         self.rt.rejoin(body, self.backend, collective_timeout(), RENDEZVOUS_TIMEOUT)
         self.rt.report("group_rebuilt", seconds=round(time.monotonic() - started, 4),
@@ -207,6 +266,19 @@ class ElasticTrainer:
         self._wrap()
         self.migrations += 1
         self._first_step_pending = True
+
+    def _release(self, body: Mapping[str, Any]) -> None:
+        """This rank's node is drained: hand over (a replica sends the state) and leave."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:
+                self.rt.log.debug("destroying the group on release: %r", exc)
+        self.released = True
+        self.rt.report("released", step=self.step, epoch=int(body["epoch"]))
+        self.rt.log.info("released at step %d: this node is being drained", self.step)
 
     def _sync_state(self) -> None:
         """Agree on the committed step; ranks behind it receive the state from a replica."""

@@ -89,7 +89,8 @@ class Migration:
 
 
 #: Facts a rank reports that go to the event log as they are.
-RANK_EVENTS = frozenset({ev.GROUP_REBUILT, ev.AGREEMENT, ev.TRANSFER_DONE, ev.FIRST_STEP})
+RANK_EVENTS = frozenset({ev.GROUP_REBUILT, ev.AGREEMENT, ev.TRANSFER_DONE, ev.FIRST_STEP,
+                         "released"})
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,11 @@ class Supervisor:
         self.recovery = recovery
         #: objects that must live as long as the supervisor (the rendezvous store)
         self.keepalive: Any = None
+        #: drains seen on the job's nodes, waiting for a step boundary to migrate
+        self._drains: list[tuple[str, str]] = []
+        #: drained nodes whose ranks are handing over / have left the job
+        self._releasing: set[str] = set()
+        self._released: set[str] = set()
 
     # -- the loop ----------------------------------------------------------
     def run(self) -> RunResult:
@@ -147,6 +153,8 @@ class Supervisor:
                 fault = self._detect()
                 if fault is not None:
                     self._handle(fault)
+                elif self._drains and self.migration is None and self.state == RunState.RUNNING:
+                    self._migrate_planned(*self._drains.pop(0))
                 elif self._all_active_exited_ok():
                     self._finish(RunState.SUCCEEDED, 0, "training completed")
                 self._write_status()
@@ -222,6 +230,10 @@ class Supervisor:
             rc = step.poll()
             if rc is None:
                 continue
+            if node in self._releasing:
+                step.state = WorkerState.EXITED
+                self._release_node(node)
+                continue
             if rc == 0 and step.role == "active":
                 step.state = WorkerState.EXITED
                 self.events.append(ev.STEP_EXITED, node=node, exit_code=0)
@@ -232,6 +244,8 @@ class Supervisor:
     def _detect_silence(self) -> Fault | None:
         now = time.time()
         for node, step in self.steps.items():
+            if node in self._releasing:
+                continue
             if step.state in (WorkerState.RUNNING, WorkerState.STANDBY):
                 silent = step.silent_for(now)
                 if silent is not None and silent > self.config.heartbeat_timeout:
@@ -274,7 +288,61 @@ class Supervisor:
         if node.is_drain and node.name not in self._drains_seen:
             self._drains_seen.add(node.name)
             self.events.append(ev.DRAIN_SEEN, node=node.name, reason=node.reason or "")
+            self._drains.append((node.name, node.reason or ""))
         return None
+
+    # -- planned migration (an admin drain) ----------------------------------
+    def _migrate_planned(self, node: str, reason: str) -> None:
+        """Move a drained node's ranks to a spare at a step boundary, then release the node."""
+        m = self.membership
+        role = m.role_of(node) if node in m.active + m.spares else "gone"
+        if role == "spare":
+            self.membership = m.drop_spare(node)
+            self.events.epoch = self.membership.epoch
+            self.events.append(ev.SPARE_LOST, node=node, reason=f"drained: {reason}",
+                               spares_left=len(self.membership.spares))
+            step = self.steps[node]
+            for sender in step.standby_senders:
+                self._send(sender, msg.STOP, {"reason": f"node drained: {reason}"})
+            self._releasing.add(node)
+            return
+        if role != "active":
+            return
+        if not self._can_migrate_live([Fault(node, "drain", reason)]):
+            self.events.append(ev.DRAIN_DEFERRED, node=node, reason=reason,
+                               detail="no live migration possible (no spare, or a rank not on "
+                                      "the elastic loop): the node drains when the job ends")
+            return
+        new = m.replace(node)
+        spare = new.active[m.slot_of(node)]
+        committed = max((self.steps[n].last_step or 0) for n in m.active)
+        self.membership = new
+        self.events.epoch = new.epoch
+        self.events.append(ev.MIGRATION_STARTED, failed=[node], spares=[spare], mode="planned",
+                           reason=reason, last_heartbeat=None, committed_step=committed)
+        self.events.append(ev.SPARE_PROMOTED, node=spare, replaces=node, mode="live",
+                           ranks=list(new.ranks_of(spare)))
+        self.migration = Migration(epoch=new.epoch, started=time.time(), committed=committed,
+                                   failed=(node,))
+        self._releasing.add(node)
+        leave = list(m.ranks_of(node))
+        self._reconfigure(list(m.active), planned=True, leave=leave)
+        self._promote(spare, mode="live")
+        self.state = RunState.RECOVERING
+
+    def _release_node(self, node: str) -> None:
+        """The drained node's step has ended: give the node back to Slurm (it becomes DRAINED)."""
+        self._releasing.discard(node)
+        self._released.add(node)
+        try:
+            keep = [n for n in self.slurm.job(self.job_id).nodes if n != node]
+            if keep:
+                self.slurm.shrink_job(self.job_id, keep)
+        except Exception as err:  # the node drains when the job ends instead
+            logger.warning("could not release %s from job %s: %s", node, self.job_id, err)
+            self.events.append(ev.NODE_RELEASED, node=node, released=False, error=str(err))
+            return
+        self.events.append(ev.NODE_RELEASED, node=node, released=True)
 
     # -- recovery ----------------------------------------------------------
     def _handle(self, fault: Fault) -> None:
@@ -413,9 +481,13 @@ class Supervisor:
         """When the lost nodes were last heard from: the start of the detection phase."""
         return max((self.steps[f.node].last_heartbeat or 0.0) for f in faults) or None
 
-    def _reconfigure(self, nodes: list[str]) -> None:
-        body = {"epoch": self.membership.epoch, "world_size": self.membership.world_size,
-                "store_addr": self.store_addr, "store_port": self.store_port}
+    def _reconfigure(self, nodes: list[str], *, planned: bool = False,
+                     leave: list[int] | None = None) -> None:
+        body: dict[str, object] = {
+            "epoch": self.membership.epoch, "world_size": self.membership.world_size,
+            "store_addr": self.store_addr, "store_port": self.store_port}
+        if planned:
+            body.update(planned=True, leave=leave or [])
         for node in nodes:
             step = self.steps[node]
             step.epoch = self.membership.epoch
@@ -524,6 +596,8 @@ class Supervisor:
         nodes = []
         for node, step in self.steps.items():
             role = m.role_of(node) if node in m.active + m.spares + m.failed else step.role
+            if node in self._released or node in self._releasing:
+                role = "released"
             ranks = tuple(m.ranks_of(node)) if role == "active" else ()
             nodes.append(NodeStatus(node=node, role=role, ranks=ranks, state=step.state.value,
                                     last_step=step.last_step, last_heartbeat=step.last_heartbeat,

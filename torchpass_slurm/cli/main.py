@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "events": ("torchpass_slurm.cli.events", "events", "Show a job's event log (faults, promotions, restarts)."),
     "report": ("torchpass_slurm.cli.report", "report",
                "Show a job's faults, how each was resolved, the recovery times."),
+    "drain": ("torchpass_slurm.cli.drain", "drain",
+              "Drain a node and wait until jobs under tp run have moved off it."),
     "run": ("torchpass_slurm.cli.run", "run",
             "Run a command on the job's nodes under the supervisor (the drop-in for srun)."),
 }
