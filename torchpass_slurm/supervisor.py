@@ -86,6 +86,8 @@ class Migration:
     committed: int | None  # the highest step survivors had reported before the fault
     failed: tuple[str, ...]
     resolution: str = "live"
+    #: a planned migration (drain): it switches at a step boundary, nothing is recomputed
+    planned: bool = False
 
 
 #: Facts a rank reports that go to the event log as they are.
@@ -323,7 +325,7 @@ class Supervisor:
         self.events.append(ev.SPARE_PROMOTED, node=spare, replaces=node, mode="live",
                            ranks=list(new.ranks_of(spare)))
         self.migration = Migration(epoch=new.epoch, started=time.time(), committed=committed,
-                                   failed=(node,))
+                                   failed=(node,), planned=True)
         self._releasing.add(node)
         leave = list(m.ranks_of(node))
         self._reconfigure(list(m.active), planned=True, leave=leave)
@@ -512,7 +514,7 @@ class Supervisor:
         agreed = self._agreed_step(mig.epoch)
         lost = None if mig.committed is None or agreed is None else max(0, mig.committed - agreed)
         self.events.append(ev.MIGRATION_DONE, resolution=mig.resolution, lost_steps=lost,
-                           recomputed_steps=1, failed=list(mig.failed),
+                           recomputed_steps=0 if mig.planned else 1, planned=mig.planned, failed=list(mig.failed),
                            seconds=round(time.time() - mig.started, 3))
         self.migration = None
         self.state = RunState.RUNNING

@@ -98,3 +98,27 @@ def test_corrupted_chunk_is_fetched_again(healthy_cluster: Cluster, reference_ha
     assert len(transfers) == 1 and transfers[0]["retries"] == 1, transfers
     assert_all_live(c, job, 1)
     assert final_hash(job) == reference_hash
+
+
+def test_admin_drain_moves_the_job_to_a_spare_and_frees_the_node(
+        healthy_cluster: Cluster, reference_hash: str) -> None:
+    c = healthy_cluster
+    job = submit(c, "-N", "3", "--spares", "1")
+    job.wait_step(5)
+    node = active_victim(c, job)
+    c.exec("ctl", "scontrol", "update", f"nodename={node}", "state=drain",
+           "reason=maintenance window")
+    wait_for(lambda: c.node_states()[node] == "drained", timeout=120,
+             what=f"{node} DRAINED (released by the job)", interval=2)
+    assert node not in c.exec("ctl", "scontrol", "show", "hostnames",
+                              c.job_field(job.job_id, "NodeList")).stdout.split()
+    assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+    events = job.events()
+    started = [e for e in events if e["kind"] == "migration_started"]
+    assert len(started) == 1 and started[0]["mode"] == "planned", events
+    done = migrations_done(job)
+    assert [(d["resolution"], d["lost_steps"], d["recomputed_steps"]) for d in done] \
+        == [("live", 0, 0)], done
+    assert [e["released"] for e in events if e["kind"] == "node_released"] == [True]
+    assert not [e for e in events if e["kind"] in ("heartbeat_lost", "node_down", "restarted")]
+    assert final_hash(job) == reference_hash
