@@ -30,8 +30,6 @@ id stays the same; nothing is requeued.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import logging
 import time
 from collections.abc import Mapping
@@ -44,50 +42,18 @@ from torchpass_slurm import events as ev
 from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.control.server import ControlServer
+from torchpass_slurm.migration import POLL_SLICE, Fault, Migration, MigrationMixin, RunState
 from torchpass_slurm.errors import ControlPlaneError
-from torchpass_slurm.membership import Membership, NoSpareError
+from torchpass_slurm.membership import Membership
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.slurm.models import Node
 from torchpass_slurm.status import JobStatus, NodeStatus, write_status
-from torchpass_slurm.workers import StepLauncher, WorkerState, WorkerStep, master_port
+from torchpass_slurm.workers import StepLauncher, WorkerState, WorkerStep
 
 logger = logging.getLogger(__name__)
 
-#: How long one pass of the loop waits for control messages.
-POLL_SLICE = timedelta(seconds=0.5)
 #: How often status.json is rewritten (seconds).
 STATUS_INTERVAL_S = 1.0
-
-
-class RunState(str, enum.Enum):
-    LAUNCHING = "launching"
-    RUNNING = "running"
-    RECOVERING = "recovering"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class Fault:
-    """Something lost a node's step; ``kind`` names the detector that saw it first."""
-
-    node: str
-    kind: str  # step_exited | heartbeat_lost | node_down | node_gone | startup_timeout
-    detail: str
-    exit_code: int | None = None
-
-
-@dataclass
-class Migration:
-    """A live migration in progress, until its first committed step."""
-
-    epoch: int
-    started: float
-    committed: int | None  # the highest step survivors had reported before the fault
-    failed: tuple[str, ...]
-    resolution: str = "live"
-    #: a planned migration (drain): it switches at a step boundary, nothing is recomputed
-    planned: bool = False
 
 
 #: Facts a rank reports that go to the event log as they are.
@@ -104,7 +70,7 @@ class RunResult:
     message: str
 
 
-class Supervisor:
+class Supervisor(MigrationMixin):
     """Supervises one job's steps until the training ends; see the module docstring."""
 
     def __init__(self, *, job_id: int, run_dir: Path, membership: Membership,
@@ -293,59 +259,6 @@ class Supervisor:
             self._drains.append((node.name, node.reason or ""))
         return None
 
-    # -- planned migration (an admin drain) ----------------------------------
-    def _migrate_planned(self, node: str, reason: str) -> None:
-        """Move a drained node's ranks to a spare at a step boundary, then release the node."""
-        m = self.membership
-        role = m.role_of(node) if node in m.active + m.spares else "gone"
-        if role == "spare":
-            self.membership = m.drop_spare(node)
-            self.events.epoch = self.membership.epoch
-            self.events.append(ev.SPARE_LOST, node=node, reason=f"drained: {reason}",
-                               spares_left=len(self.membership.spares))
-            step = self.steps[node]
-            for sender in step.standby_senders:
-                self._send(sender, msg.STOP, {"reason": f"node drained: {reason}"})
-            self._releasing.add(node)
-            return
-        if role != "active":
-            return
-        if not self._can_migrate_live([Fault(node, "drain", reason)]):
-            self.events.append(ev.DRAIN_DEFERRED, node=node, reason=reason,
-                               detail="no live migration possible (no spare, or a rank not on "
-                                      "the elastic loop): the node drains when the job ends")
-            return
-        new = m.replace(node)
-        spare = new.active[m.slot_of(node)]
-        committed = max((self.steps[n].last_step or 0) for n in m.active)
-        self.membership = new
-        self.events.epoch = new.epoch
-        self.events.append(ev.MIGRATION_STARTED, failed=[node], spares=[spare], mode="planned",
-                           reason=reason, last_heartbeat=None, committed_step=committed)
-        self.events.append(ev.SPARE_PROMOTED, node=spare, replaces=node, mode="live",
-                           ranks=list(new.ranks_of(spare)))
-        self.migration = Migration(epoch=new.epoch, started=time.time(), committed=committed,
-                                   failed=(node,), planned=True)
-        self._releasing.add(node)
-        leave = list(m.ranks_of(node))
-        self._reconfigure(list(m.active), planned=True, leave=leave)
-        self._promote(spare, mode="live")
-        self.state = RunState.RECOVERING
-
-    def _release_node(self, node: str) -> None:
-        """The drained node's step has ended: give the node back to Slurm (it becomes DRAINED)."""
-        self._releasing.discard(node)
-        self._released.add(node)
-        try:
-            keep = [n for n in self.slurm.job(self.job_id).nodes if n != node]
-            if keep:
-                self.slurm.shrink_job(self.job_id, keep)
-        except Exception as err:  # the node drains when the job ends instead
-            logger.warning("could not release %s from job %s: %s", node, self.job_id, err)
-            self.events.append(ev.NODE_RELEASED, node=node, released=False, error=str(err))
-            return
-        self.events.append(ev.NODE_RELEASED, node=node, released=True)
-
     # -- recovery ----------------------------------------------------------
     def _handle(self, fault: Fault) -> None:
         settle = fault.kind in ("step_exited", "collective_failed")
@@ -409,154 +322,6 @@ class Supervisor:
         self.events.append(kind, node=fault.node, role=step.role, detector=fault.kind,
                            detail=fault.detail, exit_code=fault.exit_code)
         logger.warning("fault: %s", fault.detail)
-
-    def _restart_on_spares(self, faults: list[Fault]) -> None:
-        """Every lost active node's slot to a spare; restart the others from the checkpoint."""
-        self.state = RunState.RECOVERING
-        new = self.membership
-        promoted = []
-        for fault in faults:
-            try:
-                new = new.replace(fault.node)
-            except NoSpareError:
-                self._finish(RunState.FAILED, fault.exit_code or 1,
-                             f"{fault.detail}; no hot spare left, the job cannot continue "
-                             "(submit with more --spares)")
-                return
-            spare = new.active[self.membership.slot_of(fault.node)]
-            promoted.append(spare)
-            self.events.append(ev.SPARE_PROMOTED, epoch=new.epoch, node=spare,
-                               replaces=fault.node, ranks=list(new.ranks_of(spare)))
-        self.membership = new
-        self.events.epoch = new.epoch
-        survivors = [n for n in new.active if n not in promoted]
-        committed = max((self.steps[n].last_step or 0) for n in survivors) if survivors else None
-        self.events.append(ev.MIGRATION_STARTED, failed=[f.node for f in faults], spares=promoted,
-                           last_heartbeat=self._last_heartbeat(faults), committed_step=committed,
-                           mode="restart")
-        self.launcher.stop([self.steps[n] for n in survivors], self.config.stop_timeout)
-        for node in survivors:
-            self.steps[node] = self.launcher.launch(node, new)
-        for spare in promoted:
-            self._promote(spare)
-        self.restarts += 1
-        self.events.append(ev.RESTARTED, restarts=self.restarts, active=list(new.active),
-                           spares=list(new.spares), from_checkpoint=True)
-        self.migration = Migration(epoch=new.epoch, started=time.time(), committed=committed,
-                                   failed=tuple(f.node for f in faults), resolution="checkpoint")
-        self.state = RunState.LAUNCHING
-
-    # -- live migration ------------------------------------------------------
-    def _can_migrate_live(self, faults: list[Fault]) -> bool:
-        """Every surviving active rank runs the elastic loop, and a spare is there per loss."""
-        lost = {f.node for f in faults}
-        survivors = [self.steps[n] for n in self.membership.active if n not in lost]
-        return (self.recovery == "live" and bool(survivors) and bool(self.store_port)
-                and all(s.live and s.state == WorkerState.RUNNING for s in survivors)
-                and len(self.membership.spares) >= len(lost))
-
-    def _migrate_live(self, faults: list[Fault]) -> None:
-        """Spares take the lost slots; survivors rebuild the group in place and resend state."""
-        old = self.membership
-        new = old
-        for fault in faults:
-            new = new.replace(fault.node)
-        promoted = [new.active[old.slot_of(f.node)] for f in faults]
-        survivors = [n for n in new.active if n not in promoted]
-        committed = max((self.steps[n].last_step or 0) for n in survivors)
-        self.membership = new
-        self.events.epoch = new.epoch
-        self.events.append(ev.MIGRATION_STARTED, failed=[f.node for f in faults],
-                           spares=promoted, last_heartbeat=self._last_heartbeat(faults),
-                           committed_step=committed, mode="live")
-        for spare, fault in zip(promoted, faults):
-            self.events.append(ev.SPARE_PROMOTED, node=spare, replaces=fault.node,
-                               ranks=list(new.ranks_of(spare)), mode="live")
-        self.migration = Migration(epoch=new.epoch, started=time.time(), committed=committed,
-                                   failed=tuple(f.node for f in faults))
-        self._reconfigure(survivors)
-        for spare in promoted:
-            self._promote(spare, mode="live")
-        self.state = RunState.RECOVERING
-
-    def _last_heartbeat(self, faults: list[Fault]) -> float | None:
-        """When the lost nodes were last heard from: the start of the detection phase."""
-        return max((self.steps[f.node].last_heartbeat or 0.0) for f in faults) or None
-
-    def _reconfigure(self, nodes: list[str], *, planned: bool = False,
-                     leave: list[int] | None = None) -> None:
-        body: dict[str, object] = {
-            "epoch": self.membership.epoch, "world_size": self.membership.world_size,
-            "store_addr": self.store_addr, "store_port": self.store_port}
-        if planned:
-            body.update(planned=True, leave=leave or [])
-        for node in nodes:
-            step = self.steps[node]
-            step.epoch = self.membership.epoch
-            for sender in sorted(step.hello_senders):
-                self._send(sender, msg.RECONFIGURE, body)
-
-    def _regroup(self, fault: Fault) -> None:
-        """A collective failed but no rank is lost: rebuild the group, same members."""
-        self.membership = dataclasses.replace(self.membership, epoch=self.membership.epoch + 1)
-        self.events.epoch = self.membership.epoch
-        self.events.append(ev.MIGRATION_STARTED, failed=[], spares=[], last_heartbeat=None,
-                           committed_step=None, detail=fault.detail)
-        self.migration = Migration(epoch=self.membership.epoch, started=time.time(),
-                                   committed=None, failed=(), resolution="regroup")
-        self._reconfigure(list(self.membership.active))
-
-    def _migration_done(self, fields: Mapping[str, Any]) -> None:
-        mig = self.migration
-        if (mig is None or mig.resolution not in ("live", "regroup")
-                or fields.get("epoch", mig.epoch) != mig.epoch):
-            return
-        agreed = self._agreed_step(mig.epoch)
-        lost = None if mig.committed is None or agreed is None else max(0, mig.committed - agreed)
-        self.events.append(ev.MIGRATION_DONE, resolution=mig.resolution, lost_steps=lost,
-                           recomputed_steps=0 if mig.planned else 1, planned=mig.planned, failed=list(mig.failed),
-                           seconds=round(time.time() - mig.started, 3))
-        self.migration = None
-        self.state = RunState.RUNNING
-
-    def _restart_done(self, fields: Mapping[str, Any]) -> None:
-        """Rank 0 resumed from the checkpoint after a restart: the steps since it are lost."""
-        mig = self.migration
-        if mig is None or mig.resolution != "checkpoint" or fields.get("epoch") != mig.epoch:
-            return
-        resumed = int(fields.get("step", 0))
-        lost = None if mig.committed is None else max(0, mig.committed - resumed)
-        self.events.append(ev.MIGRATION_DONE, resolution="checkpoint", lost_steps=lost,
-                           recomputed_steps=lost, resumed_step=resumed, failed=list(mig.failed),
-                           seconds=round(time.time() - mig.started, 3))
-        self.migration = None
-
-    def _agreed_step(self, epoch: int) -> int | None:
-        for event in reversed(ev.read_events(self.events.path)):
-            if event.kind == ev.AGREEMENT and event.epoch == epoch:
-                return int(event.fields["committed_step"])
-        return None
-
-    def _promote(self, node: str, mode: str = "restart") -> None:
-        """Tell the spare's standby tasks their ranks; wait for their standby first."""
-        step = self.steps[node]
-        deadline = time.monotonic() + self.config.startup_timeout
-        while not step.all_standby() and time.monotonic() < deadline and step.poll() is None:
-            self._pump(POLL_SLICE)
-        m = self.membership
-        step.role = "active"
-        step.epoch = m.epoch
-        step.state = WorkerState.STARTING
-        step.heartbeats.clear()
-        step.hello_senders.clear()
-        step.started = time.time()
-        for sender in sorted(step.standby_senders):
-            local = int(sender.rsplit("/", 1)[1])
-            self._send(sender, msg.PROMOTE, {
-                "rank": m.rank_base(node) + local, "local_rank": local,
-                "world_size": m.world_size, "master_addr": m.node_of_rank(0),
-                "master_port": master_port(self.job_id, m.epoch), "epoch": m.epoch,
-                "mode": mode, "store_addr": self.store_addr, "store_port": self.store_port})
 
     def _send(self, sender: str, kind: str, body: dict[str, object]) -> None:
         """Best effort: a worker that is gone is found by the detectors, not here."""

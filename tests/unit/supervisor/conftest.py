@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from torchpass_slurm import events as ev
+from torchpass_slurm import migration as migration_mod
 from torchpass_slurm import supervisor as sup_mod
 from torchpass_slurm import workers as workers_mod
 from torchpass_slurm.config import SupervisorConfig
@@ -78,6 +79,7 @@ def make(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Harne
               config: SupervisorConfig = CONFIG) -> Harness:
         clock = VirtualClock()
         monkeypatch.setattr(sup_mod, "time", clock)
+        monkeypatch.setattr(migration_mod, "time", clock)
         monkeypatch.setattr(workers_mod, "time", clock)
         nodes = [f"c{i}" for i in range(1, active + spares + 1)]
         slurm = FakeSlurm(clock, nodes)
