@@ -19,6 +19,8 @@ from torchpass_slurm.cli.app import App, run_cli
 #: that ``tp --help`` can list commands without importing them.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "nodes": ("torchpass_slurm.cli.nodes", "nodes", "Show the cluster's nodes as Slurm reports them."),
+    "health": ("torchpass_slurm.cli.health", "health",
+               "Node health checks and the Slurm hooks that drain bad nodes (admins)."),
     "hostlist": ("torchpass_slurm.cli.hostlist", "hostlist", "Expand or compress a Slurm hostlist."),
     "status": ("torchpass_slurm.cli.status", "status", "Show a job's nodes, roles, ranks and heartbeats."),
     "events": ("torchpass_slurm.cli.events", "events", "Show a job's event log (faults, promotions, restarts)."),
