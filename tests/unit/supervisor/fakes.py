@@ -9,6 +9,10 @@ The real :class:`~torchpass_slurm.supervisor.Supervisor` and the real
         └──send: promote / stop ──► FakeServer ──► World  (promote: the spare says hello;
                                                            stop: its step exits 0)
 
+:class:`ElasticRanks` adds the reports of ranks that run ``ElasticTrainer``
+(``live_ready``, ``collective_failed``, and the replies to ``reconfigure``
+and a live ``promote``); :meth:`World.report` scripts any other report.
+
 Every :meth:`FakeServer.poll` advances the :class:`VirtualClock` by its
 timeout and lets the :class:`World` act, so a job of 30 virtual seconds runs
 in milliseconds. Unlike the real server, a poll always takes its whole timeout.
@@ -258,6 +262,11 @@ class SimStep:
     greeted_at: float | None = None  # elapsed time of its hello (active) or standby (spare)
     peers: dict[str, bytes] = field(default_factory=dict)  # sender -> peer id
     stopped: set[str] = field(default_factory=set)  # senders that obeyed a STOP
+    held: int | None = None  # the step its heartbeats carry while its training is stuck
+
+    def step_at(self, elapsed: float) -> int:
+        """The step its heartbeats carry: one per virtual second, unless held."""
+        return int(elapsed) if self.held is None else self.held
 
     @property
     def node(self) -> str:
@@ -290,6 +299,8 @@ class World:
         self._actions: list[tuple[float, Callable[[], None]]] = []
         self._by_peer: dict[bytes, SimStep] = {}
         self._incarnations: dict[str, int] = {}
+        #: called with a step right after its tasks said hello (active) or standby (spare)
+        self.on_greet: list[Callable[[SimStep], None]] = []
         server.on_poll.append(self.tick)
         server.on_send.append(self._receive)
         slurm.on_launch.append(self._launched)
@@ -309,6 +320,20 @@ class World:
             self.silent.add(node)
             self.current[node].process.ignores_sigterm = True
         self.at(at, die)
+
+    def report(self, node: str, event: str, *, at: float, local: int = 0, **fields: Any) -> None:
+        """At ``at``, task ``local`` of the node's step then current sends a REPORT."""
+        self.at(at, lambda: self.send_report(self.current[node], f"{node}/{local}", event, **fields))
+
+    def send_report(self, sim: SimStep, sender: str, event: str, **fields: Any) -> None:
+        """What ``Runtime.report`` sends (its rank added); a dead or silent step sends nothing."""
+        if sim.process.poll() is not None or sim.node in self.silent or sim.node != sender.split("/")[0]:
+            return
+        body = {"event": event, "fields": {"rank": self.rank_of(sim, sender), **fields}}
+        self.server.inject(sim.peers[sender], sender, msg.REPORT, body)
+
+    def sim_of(self, peer: bytes) -> SimStep:
+        return self._by_peer[peer]
 
     # -- the simulation --
     def tick(self) -> None:
@@ -339,13 +364,16 @@ class World:
                 for sender, peer in sim.peers.items():
                     self.server.inject(peer, sender, *self._greeting(sim, sender))
                 sim.greeted_at = now
+                for hook in self.on_greet:
+                    hook(sim)
             return
         for sender, peer in sim.peers.items():
             if sender in sim.stopped:
                 continue
             state = "training" if sim.role == "active" else "standby"
             self.server.inject(peer, sender, msg.HEARTBEAT,
-                               {"rank": self._rank(sim, sender), "step": int(now), "state": state})
+                               {"rank": self.rank_of(sim, sender), "step": sim.step_at(now),
+                                "state": state})
         if sim.role == "active" and self.train_s is not None and now - sim.greeted_at >= self.train_s:
             sim.process.exit(0)
 
@@ -353,11 +381,11 @@ class World:
         local = int(sender.rsplit("/", 1)[1])
         if sim.role == "spare":
             return msg.STANDBY, {"node": sim.node, "local_rank": local, "pid": sim.process.pid}
-        return msg.HELLO, {"node": sim.node, "rank": self._rank(sim, sender), "local_rank": local,
+        return msg.HELLO, {"node": sim.node, "rank": self.rank_of(sim, sender), "local_rank": local,
                            "role": "active", "pid": sim.process.pid, "epoch": sim.epoch}
 
     @staticmethod
-    def _rank(sim: SimStep, sender: str) -> int | None:
+    def rank_of(sim: SimStep, sender: str) -> int | None:
         return None if sim.rank_base is None else sim.rank_base + int(sender.rsplit("/", 1)[1])
 
     def _receive(self, peer: bytes, message: Message) -> None:
@@ -372,3 +400,120 @@ class World:
             self.server.disconnected.add(peer)
             if len(sim.stopped) == len(sim.peers):
                 sim.process.exit(0)
+
+
+#: What a gloo collective says when a peer was killed (a text ``is_comm_error`` accepts).
+GLOO_RESET = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+
+
+class ElasticRanks:
+    """The rank side of live migration, played on a World: what ``ElasticTrainer`` reports.
+
+    Every task of an active step on a node of ``nodes`` (None: every node)
+    reports ``live_ready`` right after its hello, as ``ElasticTrainer.start``
+    does; a node left out never does (its training has no elastic loop). Then,
+    each reply ``delay`` virtual seconds after its cause::
+
+        reconfigure epoch N ──► group_rebuilt               (each survivor task joins epoch N)
+        promote mode=live   ──► hello, live_ready           (each spare task joins epoch N, step -1)
+        every rank of epoch N joined ──► agreement (rank 0), transfer_done (each receiver)
+                                    ──► first_step (rank 0)
+
+    :meth:`fail_collective` fails the collective of every running active
+    rank: they stop committing (their heartbeats hold their step) and the
+    reporters say ``collective_failed``. An epoch in :attr:`stall` never
+    reaches its agreement (a fault during the migration). ``agreed_lag``
+    makes the agreed step that much lower than the highest step held.
+    """
+
+    def __init__(self, world: World, nodes: Iterable[str] | None = None, *, delay: float = 0.5,
+                 agreed_lag: int = 0) -> None:
+        self.world = world
+        self.nodes = None if nodes is None else set(nodes)
+        self.delay = delay
+        self.agreed_lag = agreed_lag
+        self.stall: set[int] = set()
+        self._world_size: dict[int, int] = {}
+        self._joined: dict[int, dict[str, tuple[SimStep, int]]] = {}
+        self._live_spares: dict[str, int] = {}  # node -> epoch of its promote mode=live
+        world.on_greet.append(self._greeted)
+        world.server.on_send.append(self._received)
+
+    def fail_collective(self, *reporters: str, at: float) -> None:
+        def fail() -> None:
+            stuck = [s for s in self.world.current.values()
+                     if s.role == "active" and s.greeted_at is not None and s.process.poll() is None
+                     and s.node not in self.world.silent]
+            for sim in stuck:
+                sim.held = sim.step_at(self.world.clock.elapsed)
+            for sim in stuck:
+                if sim.node in reporters:
+                    for sender in sim.peers:
+                        self.world.send_report(sim, sender, "collective_failed", step=sim.held,
+                                               error=GLOO_RESET, epoch=sim.epoch)
+        self.world.at(at, fail)
+
+    def _elastic(self, node: str) -> bool:
+        return self.nodes is None or node in self.nodes
+
+    def _later(self, action: Callable[[], None]) -> None:
+        self.world.at(self.world.clock.elapsed + self.delay, action)
+
+    def _greeted(self, sim: SimStep) -> None:
+        if sim.role != "active" or not self._elastic(sim.node):
+            return
+        for sender in sim.peers:
+            self.world.send_report(sim, sender, "live_ready", step=0, epoch=sim.epoch)
+        epoch = self._live_spares.pop(sim.node, None)
+        if epoch is not None:
+            for sender in sim.peers:
+                self._join(epoch, sim, sender, -1)
+
+    def _received(self, peer: bytes, message: Message) -> None:
+        sim = self.world.sim_of(peer)
+        sender = next(s for s, p in sim.peers.items() if p == peer)
+        body = message.body
+        if message.kind == msg.RECONFIGURE:
+            epoch = body["epoch"]
+            self._world_size[epoch] = body["world_size"]
+            if sim.held is None:
+                sim.held = sim.step_at(self.world.clock.elapsed)
+
+            def rejoin() -> None:
+                sim.epoch = epoch
+                self.world.send_report(sim, sender, "group_rebuilt", seconds=self.delay, epoch=epoch)
+                self._join(epoch, sim, sender, sim.step_at(self.world.clock.elapsed))
+            self._later(rejoin)
+        elif message.kind == msg.PROMOTE and body["mode"] == "live":
+            self._world_size[body["epoch"]] = body["world_size"]
+            self._live_spares[sim.node] = body["epoch"]
+
+    def _join(self, epoch: int, sim: SimStep, sender: str, step: int) -> None:
+        if sim.process.poll() is not None or sim.node in self.world.silent:
+            return
+        joined = self._joined.setdefault(epoch, {})
+        joined[sender] = (sim, step)
+        if len(joined) == self._world_size[epoch] and epoch not in self.stall:
+            self._later(lambda: self._agree(epoch))
+
+    def _agree(self, epoch: int) -> None:
+        ranks = {self.world.rank_of(sim, sender): (sim, sender, step)
+                 for sender, (sim, step) in self._joined[epoch].items()}
+        top = max(step for _, _, step in ranks.values())
+        donors = sorted(r for r, (_, _, step) in ranks.items() if step == top)
+        receivers = sorted(r for r, (_, _, step) in ranks.items() if step < top)
+        agreed = top - self.agreed_lag
+        sim0, sender0, _ = ranks[0]
+        self.world.send_report(sim0, sender0, "agreement", committed_step=agreed,
+                               receivers=receivers, donors=donors, epoch=epoch)
+        for i, rank in enumerate(receivers):
+            sim, sender, _ = ranks[rank]
+            self.world.send_report(sim, sender, "transfer_done", donor=donors[i % len(donors)],
+                                   receiver=rank, step=agreed, bytes=4096, seconds=0.1, retries=0,
+                                   resumed_from=0, epoch=epoch)
+
+        def first_step() -> None:
+            for sim, _, _ in ranks.values():
+                sim.held = None
+            self.world.send_report(sim0, sender0, "first_step", step=agreed + 1, epoch=epoch)
+        self._later(first_step)
