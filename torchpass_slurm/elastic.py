@@ -304,7 +304,10 @@ class ElasticTrainer:
                 self._receive_state(donor, committed)
         # Ranks outside the transfer wait here for as long as a transfer may take,
         # not just one collective's timeout.
-        dist.monitored_barrier(timeout=TRANSFER_TIMEOUT)
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=TRANSFER_TIMEOUT)
+        else:  # monitored_barrier is gloo-only; the group's collective timeout applies
+            dist.barrier()
         self.step = committed
 
     def _state_dicts(self) -> dict[str, Any]:

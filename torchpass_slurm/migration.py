@@ -188,8 +188,11 @@ class MigrationMixin:
         for spare, fault in zip(promoted, faults):
             self.events.append(ev.SPARE_PROMOTED, node=spare, replaces=fault.node,
                                ranks=list(new.ranks_of(spare)), mode="live")
-        self.migration = Migration(epoch=new.epoch, started=time.time(), committed=committed,
-                                   failed=tuple(f.node for f in faults))
+        prev = self.migration  # a fault during a migration: one recovery covers both
+        self.migration = Migration(
+            epoch=new.epoch, started=prev.started if prev else time.time(),
+            committed=prev.committed if prev and prev.committed is not None else committed,
+            failed=(prev.failed if prev else ()) + tuple(f.node for f in faults))
         self._reconfigure(survivors)
         for spare in promoted:
             self._promote(spare, mode="live")

@@ -43,7 +43,7 @@ from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.control.server import ControlServer
 from torchpass_slurm.migration import POLL_SLICE, Fault, Migration, MigrationMixin, RunState
-from torchpass_slurm.errors import ControlPlaneError
+from torchpass_slurm.errors import ControlPlaneError, TorchpassError
 from torchpass_slurm.membership import Membership
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.slurm.models import Node
@@ -168,7 +168,16 @@ class Supervisor(MigrationMixin):
             self.state = RunState.RUNNING
 
     def _on_report(self, node: str, step: WorkerStep, body: Mapping[str, Any]) -> None:
-        event, fields = body["event"], dict(body["fields"])
+        """A rank's report; a malformed one is logged and dropped, never fatal."""
+        try:
+            self._apply_report(node, step, body)
+        except (TorchpassError, TypeError, KeyError, ValueError) as err:
+            logger.warning("ignoring a malformed %r report from %s: %s", body.get("event"), node,
+                           err)
+
+    def _apply_report(self, node: str, step: WorkerStep, body: Mapping[str, Any]) -> None:
+        event = body["event"]
+        fields = {k: v for k, v in dict(body["fields"]).items() if k not in ("ts", "kind", "job")}
         if event == "live_ready":
             step.live = True
         elif event == "collective_failed":
@@ -284,6 +293,8 @@ class Supervisor(MigrationMixin):
                 self._migrate_live(lost_active)
             else:
                 self._restart_on_spares(lost_active)
+        elif fault.kind == "collective_failed":
+            self._regroup(fault)  # only a spare was lost: the active ranks still wait for an epoch
 
     def _settle(self, first: Fault) -> list[Fault]:
         """Find the cause of a step's error exit: a silent node, else the first to exit.

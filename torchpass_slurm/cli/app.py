@@ -87,7 +87,10 @@ def render_error(err: TorchpassError) -> None:
 def run_cli(command: click.Command, args: list[str] | None = None, prog_name: str | None = None) -> int:
     """Run a click command; turn package errors into one message and an exit code."""
     try:
-        command.main(args=args, prog_name=prog_name, standalone_mode=False)
+        # With standalone_mode=False click returns ctx.exit(n)'s code instead of raising it.
+        result = command.main(args=args, prog_name=prog_name, standalone_mode=False)
+        if isinstance(result, int):
+            return result
     except TorchpassError as err:
         render_error(err)
         return err.exit_code

@@ -300,11 +300,6 @@ def test_a_bug_during_the_recovery_is_raised(store: int, monkeypatch: pytest.Mon
         trainer.fit(fails_once(at=0), steps=2)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "ElasticTrainer._sync_state ends with dist.monitored_barrier, which torch implements for the "
-    "plain 'gloo' backend only: with backend='nccl', 'cpu:gloo,cuda:nccl' or 'cpu:gloo' it raises "
-    "ValueError, which is not a comm error, so every recovery (and every live promotion) kills the "
-    "rank; use monitored_barrier only when dist.get_backend() == 'gloo', else dist.barrier()"))
 def test_a_recovery_on_a_backend_other_than_plain_gloo_completes(store: int) -> None:
     rt = active(FakeClient())
     trainer, _, optimizer = trainer_for(rt, backend="cpu:gloo")  # CPU stand-in for nccl / mixed

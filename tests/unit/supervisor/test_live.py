@@ -295,11 +295,6 @@ def test_without_a_store_a_live_fault_takes_the_restart_path(make: Callable[...,
     assert [e.fields["mode"] for e in h.of_kind(ev.MIGRATION_STARTED)] == ["restart"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Supervisor._handle (supervisor.py, 'if not faults: self._regroup(fault)'): when the settle of a "
-    "collective_failed blames only a spare, the spare is dropped and nothing is sent to the active "
-    "ranks, which wait RECONFIGURE_TIMEOUT (120 s) and exit; a collective_failed with no active node "
-    "lost should regroup as when nobody is blamed"))
 def test_a_failed_collective_regroups_even_when_the_settle_blames_only_a_spare(live: Live) -> None:
     h, ranks = live(spares=2)
     h.world.go_silent("c4", at=3.0)  # a spare dies (it is in no process group)...
