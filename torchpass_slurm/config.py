@@ -40,6 +40,10 @@ RECOVERY_MODES = ("live", "restart")
 #: fails a collective at once (connection reset); one that vanished silently
 #: blocks its peers this long, so it bounds detection by the ranks themselves.
 ENV_COLLECTIVE_TIMEOUT = "TORCHPASS_COLLECTIVE_TIMEOUT"
+#: Seconds between two health checks of the in-job agent (0: no agent); see
+#: torchpass_slurm/health/agent.py.
+ENV_HEALTH_INTERVAL = "TORCHPASS_HEALTH_INTERVAL"
+DEFAULT_HEALTH_INTERVAL_S = 60.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 15.0
 
 

@@ -112,6 +112,19 @@ class MigrationMixin:
         self._promote(spare, mode="live")
         self.state = RunState.RECOVERING
 
+    def _health_warning(self: Supervisor, node: str, fields: Mapping[str, Any]) -> None:
+        """Pre-emptive migration: drain the node while it still works; the drain moves it."""
+        if node not in self.membership.active or node in self._releasing | self._released:
+            return
+        summary = str(fields.get("summary", ""))
+        reason = f"torchpass: pre-emptive: {fields.get('status', 'WARNING')}: {summary}"[:200]
+        self.events.append(ev.HEALTH_WARNING, node=node, status=fields.get("status"),
+                           summary=summary)
+        try:
+            self.slurm.drain(node, reason)
+        except Exception as err:  # without the drain the node keeps its ranks
+            logger.warning("could not drain %s after its health warning: %s", node, err)
+
     def _release_node(self: Supervisor, node: str) -> None:
         """The drained node's step has ended: give the node back to Slurm (it becomes DRAINED)."""
         self._releasing.discard(node)

@@ -358,6 +358,7 @@ class Runtime:
         #: the promote message's body, for a promoted spare
         self.promotion: dict[str, Any] | None = None
         self._tcp_store: Any = None
+        self._health: Any = None
 
     # -- construction --
 
@@ -390,6 +391,9 @@ class Runtime:
         if self._client is not None:
             self._send(self._k.hello, self._hello_body())
             self._start_heartbeat()
+            from torchpass_slurm.health.agent import HealthAgent
+
+            self._health = HealthAgent.maybe_start(self)
         self.log.info("%s rank %d of %d (local %d of %d)", self.role.value, self.rank, self.world_size,
                       self.info.local_rank, self.info.local_world_size)
         return self

@@ -191,6 +191,8 @@ class Supervisor(MigrationMixin):
                 self._migration_done(fields)
         elif event == "resumed":
             self._restart_done(fields)
+        elif event == "health_warning":
+            self._health_warning(node, fields)
         else:
             logger.warning("ignoring an unknown report %r from %s", event, node)
 

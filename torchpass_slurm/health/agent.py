@@ -1,0 +1,104 @@
+"""The in-job health agent: early warnings for pre-emptive migration.
+
+One rank per node (local rank 0) runs :class:`HealthAgent`, a daemon thread
+that gathers the node's health facts every ``TORCHPASS_HEALTH_INTERVAL``
+seconds with the same checks as ``tp health check`` (the admin's config,
+``TORCHPASS_HEALTH_CONFIG`` or /etc/torchpass/health.toml). The first time the
+node turns WARNING or CRITICAL it reports ``health_warning`` to the
+supervisor, which drains the node with a ``torchpass:`` reason; the drain
+then moves the node's ranks to a spare while the node still works (a planned
+migration) and releases the node. UNKNOWN (a check that broke) is logged,
+never reported: it says nothing about the node.
+
+The ECC-rate samples go to a per-job state file in the run folder: the job's
+user need not be able to write the admin's state file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torchpass_slurm.config import (
+    DEFAULT_HEALTH_INTERVAL_S,
+    ENV_HEALTH_INTERVAL,
+    ENV_RUN_DIR,
+    env_float,
+)
+
+if TYPE_CHECKING:
+    from torchpass_slurm.health.run import HealthReport
+    from torchpass_slurm.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+#: In TORCHPASS_HEALTH_SIMULATE, replaced by the node's name (one simulated file per node).
+NODE_PLACEHOLDER = "{node}"
+
+
+class HealthAgent(threading.Thread):
+    """Checks this node's health periodically; reports the first warning."""
+
+    def __init__(self, rt: Runtime, node: str, interval: float) -> None:
+        super().__init__(name="torchpass-health", daemon=True)
+        self.rt = rt
+        self.node = node
+        self.interval = interval
+        self.stopping = threading.Event()
+        self.reported = False
+
+    @classmethod
+    def maybe_start(cls, rt: Runtime) -> HealthAgent | None:
+        """Start the agent on local rank 0 of an active node when the interval is > 0."""
+        interval = env_float(ENV_HEALTH_INTERVAL, DEFAULT_HEALTH_INTERVAL_S)
+        if interval <= 0 or rt.local_rank != 0:
+            return None
+        agent = cls(rt, rt.node, interval)
+        agent.start()
+        return agent
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.interval) and not self.reported:
+            try:
+                report = self.check()
+            except Exception as exc:  # the agent must never hurt the training
+                logger.warning("health agent on %s: the check failed: %s", self.node, exc)
+                continue
+            self.judge(report)
+
+    def check(self) -> HealthReport:
+        from torchpass_slurm.health.config import SIMULATE_ENV, load_config
+        from torchpass_slurm.health.run import run_health
+        from torchpass_slurm.health.sources import select_source
+
+        config = load_config()
+        run_dir = os.environ.get(ENV_RUN_DIR)
+        if run_dir:
+            state = Path(run_dir) / ".torchpass" / f"health-{self.node}.json"
+            config = dataclasses.replace(config, state_file=str(state))
+        simulate = os.environ.get(SIMULATE_ENV, "")
+        if NODE_PLACEHOLDER in simulate:
+            from torchpass_slurm.health.sources.simulated import SimulatedSource
+
+            source = SimulatedSource(simulate.replace(NODE_PLACEHOLDER, self.node))
+        else:
+            source = select_source(config)
+        return run_health(config, source, node=self.node)
+
+    def judge(self, report: HealthReport) -> None:
+        from torchpass_slurm.health.checks import Status
+
+        bad = [r for r in report.results if r.status in (Status.WARNING, Status.CRITICAL)]
+        if bad:  # even when another check broke (UNKNOWN ranks above WARNING in report.status)
+            summary = "; ".join(r.message for r in bad)[:300]
+            status = max(bad, key=lambda r: r.status).status.name
+            self.rt.report("health_warning", node=self.node, status=status, summary=summary)
+            self.reported = True
+            logger.warning("health agent on %s: %s: %s", self.node, status, summary)
+        elif report.status == Status.UNKNOWN:
+            logger.info("health agent on %s: a check could not run (UNKNOWN); not reported",
+                        self.node)
