@@ -81,9 +81,9 @@ GROUP_REBUILT = "group_rebuilt"  # a rank: the new epoch's process group is up (
 AGREEMENT = "agreement"  # rank 0: the committed step every rank now holds (committed_step=)
 TRANSFER_DONE = "transfer_done"  # a receiver: state received (donor=, bytes=, seconds=, retries=)
 FIRST_STEP = "first_step"  # rank 0: the first step of the new epoch committed (step=)
-MIGRATION_DONE = "migration_done"  # supervisor: resolution=live|checkpoint|elastic|fatal, lost_steps=
+MIGRATION_DONE = "migration_done"  # supervisor: resolution=live|checkpoint|regroup, lost_steps=, planned=
 HEALTH_WARNING = "health_warning"  # a node's in-job agent saw WARNING/CRITICAL (status=, summary=)
-DRAIN_DEFERRED = "drain_deferred"  # a drained node keeps its ranks until the job ends (why=)
+DRAIN_DEFERRED = "drain_deferred"  # a drained node keeps its ranks until the job ends (reason=, detail=)
 NODE_RELEASED = "node_released"  # a drained node was given back to Slurm (released=true|false)
 LOG_REPAIRED = "log_repaired"  # a torn line before this one was left by a crash
 

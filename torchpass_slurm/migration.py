@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -89,6 +90,11 @@ class MigrationMixin:
             self._releasing.add(node)
             return
         if role != "active":
+            return
+        if node == socket.gethostname():
+            self.events.append(ev.DRAIN_DEFERRED, node=node, reason=reason,
+                               detail="the batch host runs the supervisor and cannot leave the "
+                                      "job: it drains when the job ends")
             return
         if not self._can_migrate_live([Fault(node, "drain", reason)]):
             self.events.append(ev.DRAIN_DEFERRED, node=node, reason=reason,
@@ -233,7 +239,7 @@ class MigrationMixin:
         self.membership = dataclasses.replace(self.membership, epoch=self.membership.epoch + 1)
         self.events.epoch = self.membership.epoch
         self.events.append(ev.MIGRATION_STARTED, failed=[], spares=[], last_heartbeat=None,
-                           committed_step=None, detail=fault.detail)
+                           committed_step=None, detail=fault.detail, mode="regroup")
         self.migration = Migration(epoch=self.membership.epoch, started=time.time(),
                                    committed=None, failed=(), resolution="regroup")
         self._reconfigure(list(self.membership.active))
