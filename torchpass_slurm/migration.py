@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: With no spare left, how often a job may restart in place (a crash that repeats is a bug).
+MAX_IN_PLACE_RESTARTS = 3
 #: How long one pass of the loop waits for control messages.
 POLL_SLICE = timedelta(seconds=0.5)
 
@@ -118,6 +120,43 @@ class MigrationMixin:
         self._promote(spare, mode="live")
         self.state = RunState.RECOVERING
 
+    def _nodes_still_usable(self: Supervisor, faults: list[Fault]) -> bool:
+        """Only rank processes died (the steps exited) and Slurm still calls their nodes usable."""
+        if any(f.kind != "step_exited" for f in faults):
+            return False
+        try:
+            nodes = {n.name: n for n in self.slurm.nodes([f.node for f in faults])}
+        except Exception as err:
+            logger.warning("cannot ask Slurm about %s: %s", [f.node for f in faults], err)
+            return False
+        return all(f.node in nodes and nodes[f.node].is_usable for f in faults)
+
+    def _restart_in_place(self: Supervisor, faults: list[Fault]) -> None:
+        """No spare left, but the nodes are fine: restart every rank in place from the checkpoint."""
+        failed = [f.node for f in faults]
+        if self._in_place_restarts >= MAX_IN_PLACE_RESTARTS:
+            self._finish(RunState.FAILED, faults[0].exit_code or 1,
+                         f"{faults[0].detail}; no hot spare left and {self._in_place_restarts} "
+                         "in-place restarts already: giving up (submit with more --spares)")
+            return
+        self._in_place_restarts += 1
+        m = self.membership
+        new = dataclasses.replace(m, epoch=m.epoch + 1)
+        committed = max((self.steps[n].last_step or 0) for n in m.active)
+        self.membership = new
+        self.events.epoch = new.epoch
+        self.events.append(ev.MIGRATION_STARTED, failed=failed, spares=[], mode="restart-in-place",
+                           last_heartbeat=self._last_heartbeat(faults), committed_step=committed)
+        self.launcher.stop([self.steps[n] for n in m.active], self.config.stop_timeout)
+        for node in new.active:
+            self.steps[node] = self.launcher.launch(node, new)
+        self.restarts += 1
+        self.events.append(ev.RESTARTED, restarts=self.restarts, active=list(new.active),
+                           spares=list(new.spares), from_checkpoint=True, in_place=True)
+        self.migration = Migration(epoch=new.epoch, started=time.time(), committed=committed,
+                                   failed=tuple(failed), resolution="checkpoint")
+        self.state = RunState.LAUNCHING
+
     def _health_warning(self: Supervisor, node: str, fields: Mapping[str, Any]) -> None:
         """Pre-emptive migration: drain the node while it still works; the drain moves it."""
         if node not in self.membership.active or node in self._releasing | self._released:
@@ -148,6 +187,9 @@ class MigrationMixin:
     def _restart_on_spares(self: Supervisor, faults: list[Fault]) -> None:
         """Every lost active node's slot to a spare; restart the others from the checkpoint."""
         self.state = RunState.RECOVERING
+        if len(self.membership.spares) < len(faults) and self._nodes_still_usable(faults):
+            self._restart_in_place(faults)
+            return
         new = self.membership
         promoted = []
         for fault in faults:

@@ -106,6 +106,7 @@ class Supervisor(MigrationMixin):
         #: drained nodes whose ranks are handing over / have left the job
         self._releasing: set[str] = set()
         self._released: set[str] = set()
+        self._in_place_restarts = 0
 
     # -- the loop ----------------------------------------------------------
     def run(self) -> RunResult:

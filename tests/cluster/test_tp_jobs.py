@@ -64,15 +64,31 @@ def test_killed_rank_process_is_replaced(healthy_cluster: Cluster, reference_has
     assert final_hash(job) == reference_hash
 
 
-def test_no_spare_left_ends_the_job_with_a_clear_message(healthy_cluster: Cluster) -> None:
+def test_a_lost_node_with_no_spare_left_ends_the_job_with_a_clear_message(
+        healthy_cluster: Cluster) -> None:
     c = healthy_cluster
     job = submit(c, "-N", "2", "--spares", "0")
     job.wait_step(2)
-    kill_rank(c, active_victim(c, job))
+    c.kill(active_victim(c, job))
     assert c.wait_job_done(job.job_id, timeout=180) == "FAILED"
     failed = [e for e in job.events() if e["kind"] == "failed"]
     assert len(failed) == 1 and "no hot spare left" in failed[0]["message"]
     assert "no hot spare left" in job.output()
+
+
+def test_a_crash_with_no_spare_left_restarts_in_place(healthy_cluster: Cluster,
+                                                      reference_hash: str) -> None:
+    c = healthy_cluster
+    job = submit(c, "-N", "3", "--spares", "0")
+    job.wait_step(6)
+    kill_rank(c, active_victim(c, job))
+    assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+    events = job.events()
+    started = [e for e in events if e["kind"] == "migration_started"]
+    assert [e["mode"] for e in started] == ["restart-in-place"], events
+    done = [e for e in events if e["kind"] == "migration_done"]
+    assert [d["resolution"] for d in done] == ["checkpoint"], done
+    assert final_hash(job) == reference_hash
 
 
 def test_too_many_spares_is_refused_before_submitting(healthy_cluster: Cluster) -> None:

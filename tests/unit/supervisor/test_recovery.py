@@ -137,20 +137,21 @@ def test_a_spare_that_never_reports_is_dropped(make: Callable[..., Harness]) -> 
     assert h.supervisor.membership.spares == ()
 
 
-def test_a_crash_with_no_spare_left_fails_the_job(make: Callable[..., Harness]) -> None:
+def test_a_crash_with_no_spare_left_restarts_every_rank_in_place(
+        make: Callable[..., Harness]) -> None:
+    """The rank process died but Slurm still calls its node usable: restart from the checkpoint."""
     h = make(active=3, spares=0)
     h.world.crash("c2", 137, at=3.0)
 
     result = h.run()
 
-    assert (result.state, result.exit_code, result.restarts) == (RunState.FAILED, 137, 0)
-    assert "no hot spare left" in result.message and "c2" in result.message
-    assert h.kinds()[-2:] == ["step_exited", "failed"]
-    failed = h.of_kind("failed")[0]
-    assert failed.fields["exit_code"] == 137 and failed.fields["message"] == result.message
-    assert [p.signals for p in (h.slurm.launches[0].process, h.slurm.launches[2].process)] == \
-        [[signal.SIGTERM], [signal.SIGTERM]]
-    assert h.status().state == "failed"
+    assert (result.state, result.exit_code, result.restarts, result.epoch) == \
+        (RunState.SUCCEEDED, 0, 1, 1)
+    assert h.launches()[3:] == [("c1", "active", 1), ("c2", "active", 1), ("c3", "active", 1)]
+    started = h.of_kind("migration_started")[0]
+    assert (started.fields["mode"], started.fields["failed"]) == ("restart-in-place", ["c2"])
+    assert h.of_kind("restarted")[0].fields["in_place"] is True
+    assert "failed" not in h.kinds()
 
 
 def test_a_second_fault_uses_the_second_spare(make: Callable[..., Harness]) -> None:
