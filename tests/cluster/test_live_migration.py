@@ -12,6 +12,7 @@ live migration with no committed step lost.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 
@@ -47,19 +48,25 @@ def assert_all_live(c: Cluster, job: TpJob, faults: int) -> None:
         in summary["text"], summary
 
 
-def test_two_node_kills_migrate_live_with_bitwise_equal_state(
-        healthy_cluster: Cluster, reference_hash: str) -> None:
-    c = healthy_cluster
-    job = submit(c, "-N", "3", "--spares", "2")
+def two_faults(c: Cluster, job: TpJob, inject: Callable[[str], None]) -> tuple[str, str]:
+    """Inject a fault on an active node, wait for its migration, then on another; the nodes."""
     job.wait_step(5)
     first = active_victim(c, job)
-    c.kill(first)
+    inject(first)
     wait_migrated(job, 1)
     job.wait_step(job.last_step() + 2)
     second = active_victim(c, job)
     assert second != first
-    c.kill(second)
+    inject(second)
     assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+    return first, second
+
+
+def test_two_node_kills_migrate_live_with_bitwise_equal_state(
+        healthy_cluster: Cluster, reference_hash: str) -> None:
+    c = healthy_cluster
+    job = submit(c, "-N", "3", "--spares", "2")
+    first, second = two_faults(c, job, c.kill)
     assert c.job_field(job.job_id, "Restarts") == "0"
     promoted = [(e["replaces"], e["mode"]) for e in job.events() if e["kind"] == "spare_promoted"]
     assert promoted == [(first, "live"), (second, "live")]
@@ -73,14 +80,7 @@ def test_two_rank_kills_migrate_live_with_bitwise_equal_state(
         healthy_cluster: Cluster, reference_hash: str) -> None:
     c = healthy_cluster
     job = submit(c, "-N", "3", "--spares", "2")
-    job.wait_step(5)
-    first = active_victim(c, job)
-    kill_rank(c, first)
-    wait_migrated(job, 1)
-    job.wait_step(job.last_step() + 2)
-    second = active_victim(c, job)
-    kill_rank(c, second)
-    assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+    first, second = two_faults(c, job, lambda node: kill_rank(c, node))
     blamed = [e["node"] for e in job.events()
               if e["kind"] == "step_exited" and e.get("exit_code") not in (0, None)]
     assert blamed == [first, second], job.events()
