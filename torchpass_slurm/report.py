@@ -377,6 +377,13 @@ def _phases(detection: Event, recovery: _Recovery) -> Phases:
         *(_ts(e) for e in (recovery.started, recovery.rebuilt, recovery.agreement,
                            recovery.transfer, recovery.first_step)),
     ]
+    # The ranks' reports reach the supervisor in any order: a rank's group_rebuilt can
+    # be logged after the agreement, which needs every rank's group. Each phase ended
+    # by the time the next one did, so an earlier mark is capped by the later ones.
+    for i in range(len(marks) - 2, 1, -1):
+        later = next((m for m in marks[i + 1:] if m is not None), None)
+        if marks[i] is not None and later is not None and marks[i] > later:
+            marks[i] = later
     spans = [_interval(a, b) for a, b in zip(marks, marks[1:])]
     return Phases(*spans, total=_interval(detection.ts, marks[-1]))
 

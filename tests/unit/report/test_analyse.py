@@ -173,3 +173,21 @@ def test_lost_steps_some_known_some_not(job_log: Any) -> None:
     assert summary_line(summarise([report])) == (
         "2 of 2 faults resolved by live migration with 2 committed steps lost (unknown for 1 of 2 recoveries) "
         "(0% with no lost progress)")
+
+
+def test_a_rebuild_report_that_arrives_after_the_agreement_ends_the_rebuild_there(
+        job_log: Any) -> None:
+    """The ranks' reports arrive in any order; the agreement needs every rank's group."""
+    log = job_log()
+    log.started(["n1", "n2", "n3"], ["s1"])
+    log.detected(10.0, "heartbeat_lost", "n2")
+    log.at(10.5, "migration_started", failed=["n2"], spares=["s1"], last_heartbeat=T0 + 7.0)
+    log.at(11.0, "group_rebuilt", seconds=0.5)
+    log.at(12.0, "agreement", committed_step=100)
+    log.at(12.01, "group_rebuilt", seconds=1.5)  # rank 2's report, logged after the agreement
+    log.at(12.5, "transfer_done", donor=0, receiver=1, bytes=1024, seconds=0.5, retries=0)
+    log.at(13.0, "first_step", step=101)
+    log.at(13.1, "migration_done", resolution="live", lost_steps=0, recomputed_steps=1)
+    (fault,) = report_of(log).faults
+    assert fault.phases == Phases(detection=3.0, decision=0.5, rebuild=1.5, agreement=0.0,
+                                  transfer=0.5, first_step=0.5, total=3.0)
