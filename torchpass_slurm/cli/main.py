@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                "Show a job's faults, how each was resolved, the recovery times."),
     "drain": ("torchpass_slurm.cli.drain", "drain",
               "Drain a node and wait until jobs under tp run have moved off it."),
+    "goodput": ("torchpass_slurm.cli.goodput", "goodput",
+                "Expected training time ratio and lost GPU-hours: checkpoint restart against live migration."),
     "run": ("torchpass_slurm.cli.run", "run",
             "Run a command on the job's nodes under the supervisor (the drop-in for srun)."),
 }

@@ -1,0 +1,93 @@
+"""``tp goodput``: expected ETTR and lost GPU-hours per day, checkpoint restart
+against live migration, for a few job sizes (the model: torchpass_slurm.goodput)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import click
+
+from torchpass_slurm.cli.app import App, pass_app
+from torchpass_slurm.goodput import GoodputParams, ettr, simulate
+
+_D = GoodputParams()
+DEFAULT_GPUS = (1024, 16384, 131072)
+
+
+def rows(gpus: tuple[int, ...], params: GoodputParams, monte_carlo: bool, seed: int) -> list[dict[str, object]]:
+    """One row per job size: closed form (and simulation) for both recoveries."""
+    out: list[dict[str, object]] = []
+    for n in gpus:
+        row: dict[str, object] = {}
+        for key, p in (("checkpoint_restart", params.checkpoint_restart()), ("live_migration", params)):
+            closed = ettr(n, p)
+            row.update(gpus=n, nodes=closed.nodes, faults_per_day=closed.faults_per_day)
+            entry: dict[str, float] = {"ettr": closed.ettr, "lost_gpu_hours_per_day": closed.lost_gpu_hours_per_day}
+            if monte_carlo:
+                sim = simulate(n, p, seed=seed)
+                entry.update(mc_ettr=sim.ettr, mc_lost_gpu_hours_per_day=sim.lost_gpu_hours_per_day)
+            row[key] = entry
+        out.append(row)
+    return out
+
+
+@click.command("goodput")
+@click.option("--gpus", type=click.IntRange(min=1), multiple=True,
+              help="Job size in GPUs (repeatable). Default: 1024, 16384, 131072.")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=_D.gpus_per_node, show_default=True)
+@click.option("--failure-rate", type=click.FloatRange(min=0), default=_D.failure_rate_per_node_day * 1000,
+              show_default=True, help="Faults per 1000 node-days.")
+@click.option("--ckpt-interval", type=click.FloatRange(min=0, min_open=True),
+              default=_D.ckpt_interval_s / 60, show_default=True, help="Minutes of training between checkpoints.")
+@click.option("--ckpt-write", type=click.FloatRange(min=0), default=_D.ckpt_write_s, show_default=True,
+              help="Seconds training stops to write a checkpoint.")
+@click.option("--restart-overhead", type=click.FloatRange(min=0), default=_D.restart_overhead_s,
+              show_default=True, help="Seconds to detect, requeue and restore after a fault.")
+@click.option("--live-recovery", type=click.FloatRange(min=0), default=_D.live_recovery_s, show_default=True,
+              help="Seconds of job time a fault costs under live migration.")
+@click.option("--live-coverage", type=click.FloatRange(0, 1), default=_D.live_coverage, show_default=True,
+              help="Share of faults live migration resolves; the rest fall back to checkpoint restart.")
+@click.option("--monte-carlo", is_flag=True, help="Also simulate (20,000 faults per cell) to check the closed form.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the simulation.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@pass_app
+def goodput(app: App, gpus: tuple[int, ...], gpus_per_node: int, failure_rate: float, ckpt_interval: float,
+            ckpt_write: float, restart_overhead: float, live_recovery: float, live_coverage: float,
+            monte_carlo: bool, seed: int, as_json: bool) -> None:
+    """Expected effective training time ratio (ETTR) and lost GPU-hours per day
+    of a training job, checkpoint restart against live migration (docs/goodput.md)."""
+    params = GoodputParams(gpus_per_node=gpus_per_node, failure_rate_per_node_day=failure_rate / 1000,
+                           ckpt_interval_s=ckpt_interval * 60, ckpt_write_s=ckpt_write,
+                           restart_overhead_s=restart_overhead, live_recovery_s=live_recovery,
+                           live_coverage=live_coverage)
+    table = rows(gpus or DEFAULT_GPUS, params, monte_carlo, seed)
+    if as_json:
+        click.echo(json.dumps({"params": asdict(params), "rows": table}, indent=2))
+        return
+    _print_table(app, params, table, monte_carlo)
+
+
+def _print_table(app: App, params: GoodputParams, table: list[dict[str, object]], monte_carlo: bool) -> None:
+    from rich.table import Table
+
+    t = Table(title=(f"ETTR at {params.failure_rate_per_node_day * 1000:g} faults/1000 node-days, "
+                     f"checkpoint every {params.ckpt_interval_s / 60:g} min "
+                     f"(write {params.ckpt_write_s:g} s, restart {params.restart_overhead_s:g} s); "
+                     f"live: {params.live_recovery_s:g} s, covers {params.live_coverage:.0%}"))
+    for name in ("GPUs", "nodes", "faults/day", "restart ETTR", "lost GPU-h/d",
+                 "live ETTR", "lost GPU-h/d"):
+        t.add_column(name, justify="right")
+    if monte_carlo:
+        t.add_column("MC restart", justify="right")
+        t.add_column("MC live", justify="right")
+    for row in table:
+        cr, lm = row["checkpoint_restart"], row["live_migration"]
+        assert isinstance(cr, dict) and isinstance(lm, dict)
+        cells = [f"{row['gpus']:,}", f"{row['nodes']:,}", f"{row['faults_per_day']:.2f}",
+                 f"{cr['ettr']:.3f}", f"{cr['lost_gpu_hours_per_day']:,.0f}",
+                 f"{lm['ettr']:.3f}", f"{lm['lost_gpu_hours_per_day']:,.0f}"]
+        if monte_carlo:
+            cells += [f"{cr['mc_ettr']:.3f}", f"{lm['mc_ettr']:.3f}"]
+        t.add_row(*cells)
+    app.console.print(t, crop=False, soft_wrap=True)
