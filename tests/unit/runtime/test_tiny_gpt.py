@@ -40,7 +40,13 @@ def run_ranks(world: int, args: list[str], *, expect: int = 0) -> str:
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, USE_LIBUV="0", PYTHONWARNINGS="ignore")
         procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *SMALL, *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = [p.communicate(timeout=120) for p in procs]
+    try:
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:  # a rank left hanging (its peer failed) must not outlive the test
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == expect, err[-3000:]
     return outputs[0][0]
