@@ -71,6 +71,8 @@ class Migration:
     resolution: str = "live"
     #: a planned migration (drain): it switches at a step boundary, nothing is recomputed
     planned: bool = False
+    #: the committed step the ranks agreed on (their agreement report)
+    agreed: int | None = None
 
 
 class MigrationMixin:
@@ -105,7 +107,7 @@ class MigrationMixin:
             return
         new = m.replace(node)
         spare = new.active[m.slot_of(node)]
-        committed = max((self.steps[n].last_step or 0) for n in m.active)
+        committed = self._committed(list(m.active))
         self.membership = new
         self.events.epoch = new.epoch
         self.events.append(ev.MIGRATION_STARTED, failed=[node], spares=[spare], mode="planned",
@@ -142,20 +144,12 @@ class MigrationMixin:
         self._in_place_restarts += 1
         m = self.membership
         new = dataclasses.replace(m, epoch=m.epoch + 1)
-        committed = max((self.steps[n].last_step or 0) for n in m.active)
+        committed = self._committed(list(m.active))
         self.membership = new
         self.events.epoch = new.epoch
         self.events.append(ev.MIGRATION_STARTED, failed=failed, spares=[], mode="restart-in-place",
                            last_heartbeat=self._last_heartbeat(faults), committed_step=committed)
-        self.launcher.stop([self.steps[n] for n in m.active], self.config.stop_timeout)
-        for node in new.active:
-            self.steps[node] = self.launcher.launch(node, new)
-        self.restarts += 1
-        self.events.append(ev.RESTARTED, restarts=self.restarts, active=list(new.active),
-                           spares=list(new.spares), from_checkpoint=True, in_place=True)
-        self.migration = Migration(epoch=new.epoch, started=time.time(), committed=committed,
-                                   failed=tuple(failed), resolution="checkpoint")
-        self.state = RunState.LAUNCHING
+        self._relaunch_from_checkpoint(list(new.active), [], committed, faults, in_place=True)
 
     def _health_warning(self: Supervisor, node: str, fields: Mapping[str, Any]) -> None:
         """Pre-emptive migration: drain the node while it still works; the drain moves it."""
@@ -207,21 +201,32 @@ class MigrationMixin:
         self.membership = new
         self.events.epoch = new.epoch
         survivors = [n for n in new.active if n not in promoted]
-        committed = max((self.steps[n].last_step or 0) for n in survivors) if survivors else None
+        committed = self._committed(survivors)
         self.events.append(ev.MIGRATION_STARTED, failed=[f.node for f in faults], spares=promoted,
                            last_heartbeat=self._last_heartbeat(faults), committed_step=committed,
                            mode="restart")
-        self.launcher.stop([self.steps[n] for n in survivors], self.config.stop_timeout)
-        for node in survivors:
+        self._relaunch_from_checkpoint(survivors, promoted, committed, faults)
+
+    def _relaunch_from_checkpoint(self: Supervisor, relaunch: list[str], promoted: list[str],
+                                  committed: int | None, faults: list[Fault],
+                                  **restarted: Any) -> None:
+        """Stop and relaunch ``relaunch`` in the new epoch, promote the spares; all resume."""
+        new = self.membership
+        self.launcher.stop([self.steps[n] for n in relaunch], self.config.stop_timeout)
+        for node in relaunch:
             self.steps[node] = self.launcher.launch(node, new)
         for spare in promoted:
             self._promote(spare)
         self.restarts += 1
         self.events.append(ev.RESTARTED, restarts=self.restarts, active=list(new.active),
-                           spares=list(new.spares), from_checkpoint=True)
+                           spares=list(new.spares), from_checkpoint=True, **restarted)
         self.migration = Migration(epoch=new.epoch, started=time.time(), committed=committed,
                                    failed=tuple(f.node for f in faults), resolution="checkpoint")
         self.state = RunState.LAUNCHING
+
+    def _committed(self: Supervisor, nodes: list[str]) -> int | None:
+        """The highest step these nodes reported (from heartbeats; may lag by one beat)."""
+        return max((self.steps[n].last_step or 0) for n in nodes) if nodes else None
 
     # -- live migration ------------------------------------------------------
     def _can_migrate_live(self: Supervisor, faults: list[Fault]) -> bool:
@@ -240,7 +245,7 @@ class MigrationMixin:
             new = new.replace(fault.node)
         promoted = [new.active[old.slot_of(f.node)] for f in faults]
         survivors = [n for n in new.active if n not in promoted]
-        committed = max((self.steps[n].last_step or 0) for n in survivors)
+        committed = self._committed(survivors)
         self.membership = new
         self.events.epoch = new.epoch
         self.events.append(ev.MIGRATION_STARTED, failed=[f.node for f in faults],
@@ -291,8 +296,8 @@ class MigrationMixin:
         if (mig is None or mig.resolution not in ("live", "regroup")
                 or fields.get("epoch", mig.epoch) != mig.epoch):
             return
-        agreed = self._agreed_step(mig.epoch)
-        lost = None if mig.committed is None or agreed is None else max(0, mig.committed - agreed)
+        lost = (None if mig.committed is None or mig.agreed is None
+                else max(0, mig.committed - mig.agreed))
         self.events.append(ev.MIGRATION_DONE, resolution=mig.resolution, lost_steps=lost,
                            recomputed_steps=0 if mig.planned else 1, planned=mig.planned, failed=list(mig.failed),
                            seconds=round(time.time() - mig.started, 3))
@@ -310,12 +315,6 @@ class MigrationMixin:
                            recomputed_steps=lost, resumed_step=resumed, failed=list(mig.failed),
                            seconds=round(time.time() - mig.started, 3))
         self.migration = None
-
-    def _agreed_step(self: Supervisor, epoch: int) -> int | None:
-        for event in reversed(ev.read_events(self.events.path)):
-            if event.kind == ev.AGREEMENT and event.epoch == epoch:
-                return int(event.fields["committed_step"])
-        return None
 
     def _promote(self: Supervisor, node: str, mode: str = "restart") -> None:
         """Tell the spare's standby tasks their ranks; wait for their standby first."""

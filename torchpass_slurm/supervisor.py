@@ -188,6 +188,9 @@ class Supervisor(MigrationMixin):
                                        f"({fields.get('error', '')[:120]})")
         elif event in RANK_EVENTS:
             self.events.append(event, node=node, **fields)
+            mig = self.migration
+            if event == ev.AGREEMENT and mig is not None and fields.get("epoch") == mig.epoch:
+                mig.agreed = int(fields["committed_step"])
             if event == ev.FIRST_STEP and self.migration is not None:
                 self._migration_done(fields)
         elif event == "resumed":
