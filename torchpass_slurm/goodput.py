@@ -35,9 +35,14 @@ restart plus half a segment of recompute"::
 
     ETTR ~ tau/s * (1 - lam [ (1 - c)(R + s/2) + c L ])
 
-which :func:`ettr_first_order` returns. The rule goes negative when faults
-come faster than a restart plus half an interval (131,072 GPUs), the exact form
-does not; both agree to first order at small ``lam``.
+which :func:`ettr_first_order` returns. The study's estimator,
+``E[ETTR] ~ (1 - N r_f (u0 + dt_cp/2)) / (1 + w_cp/dt_cp)``, is the same rule
+with ``c = 0``, ``u0 = R``, ``dt_cp = tau``, ``w_cp = w``, except that it charges
+a fault half an interval ``tau/2`` where this process loses half a segment
+``s/2`` (a fault during a write loses the write too); with ``w = 0`` the two
+are one formula. The rule goes negative when faults come faster than a
+restart plus half an interval (131,072 GPUs), the exact form does not; both
+agree to first order at small ``lam``.
 
 :func:`simulate` draws the same process with a seeded generator and checks the
 closed form.
@@ -49,11 +54,18 @@ import math
 import random
 from dataclasses import dataclass, replace
 
-#: Faults per node per day on Meta's RSC-1 (Kokolis et al., "Revisiting
-#: Reliability in Large-Scale Machine Learning Research Clusters", HPCA 2025).
-#: 5.6 per 1000 node-days is the value this project was told to use; it has
-#: NOT been checked against the paper (docs/goodput.md, "Sources").
-RSC1_FAILURES_PER_NODE_DAY = 5.6e-3
+#: Faults per node per day on Meta's RSC-1 and RSC-2 research clusters (8 A100
+#: per node): 6.50 and 2.34 per 1000 node-days, Kokolis et al., "Revisiting
+#: Reliability in Large-Scale Machine Learning Research Clusters", HPCA 2025,
+#: arXiv 2410.21680 (docs/goodput.md, "Sources").
+RSC1_FAILURES_PER_NODE_DAY = 6.50e-3
+RSC2_FAILURES_PER_NODE_DAY = 2.34e-3
+
+#: The study's clusters by name (``tp goodput --cluster``).
+CLUSTER_FAILURES_PER_NODE_DAY = {
+    "rsc1": RSC1_FAILURES_PER_NODE_DAY,
+    "rsc2": RSC2_FAILURES_PER_NODE_DAY,
+}
 
 #: Seconds in a day.
 DAY_S = 86400.0
@@ -63,17 +75,18 @@ DAY_S = 86400.0
 class GoodputParams:
     """Everything the model needs but the job size. Times in seconds.
 
-    The defaults reproduce the study's two checkpoint-restart examples
-    (docs/goodput.md, "Defaults"); ``live_recovery_s`` is the job time one
-    fault cost under live migration on this project's test cluster
-    (docs/benchmarks.md).
+    The checkpoint-restart defaults are the study's: RSC-1's failure rate, a
+    restart overhead ``u0`` of 5 minutes, hourly checkpoints whose writes do
+    not stop training (docs/goodput.md, "Defaults"). ``live_recovery_s`` is
+    the job time one fault cost under live migration on this project's test
+    cluster (docs/benchmarks.md).
     """
 
     gpus_per_node: int = 8
     failure_rate_per_node_day: float = RSC1_FAILURES_PER_NODE_DAY
     ckpt_interval_s: float = 3600.0
     ckpt_write_s: float = 0.0
-    restart_overhead_s: float = 540.0
+    restart_overhead_s: float = 300.0
     live_recovery_s: float = 30.0
     live_coverage: float = 0.9
 
