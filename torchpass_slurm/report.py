@@ -1,31 +1,48 @@
 """Faults and recoveries, read back from a job's event log (``tp report``).
 
 Pure: :func:`analyse` turns a list of :class:`~torchpass_slurm.events.Event`
-into a :class:`JobReport`; :func:`summarise` totals several; the ``*_json``
-functions and :func:`summary_line` give the machine and human forms. Nothing
-here reads files or imports rich (the command in :mod:`torchpass_slurm.cli.report` does).
+into a :class:`JobReport`; :func:`summarise` totals several, per resolution and
+per fault class; the ``*_json`` functions and :func:`summary_line` give the
+machine and human forms. Nothing here reads files or imports rich (the command
+in :mod:`torchpass_slurm.cli.report` does).
 
 The rules (also printed under the table, :data:`RULES`):
 
-* **Fault.** One detection event -- ``heartbeat_lost``, ``node_down``, or
-  ``step_exited`` with an ``exit_code`` other than 0 (0 is a rank's normal
-  end) -- on an *active* node. Detections of the same node within one
-  recovery, or later ones of a node that failed and has not rejoined (echoes:
-  its step exits after its heartbeats were lost), count once; the first
-  one's ``ts`` is the detection time. Detections on a spare, and
-  ``spare_lost``, are *spare faults*: counted apart, they cost no progress.
-  A role missing from the event is taken from the membership the log shows
-  (``started``' ``spares``, less the promoted ones; a lost spare stays a spare).
-* **Recovery.** Opened by the first fault while none is open; more faults
-  before it ends join it (and share its outcome). It ends at
-  ``migration_done``, ``restarted``, ``failed`` or ``finished``. Migration
-  events (``group_rebuilt``, ``agreement``, ``transfer_done``,
-  ``first_step``, ``migration_done``) belong to the recovery whose
-  ``migration_started`` has their epoch, else to the open one.
-* **Resolution.** ``migration_done.resolution`` (live | checkpoint | elastic |
-  fatal) if present; else ``restarted`` with ``from_checkpoint`` ->
-  checkpoint; else a ``failed`` event while the recovery is open -> fatal;
-  else unresolved.
+* **Classes.** Every fault has one class (:data:`CLASSES`):
+
+  - *unplanned*: a detection (below);
+  - *pre-emptive*: a drain the job made itself on a health warning: its
+    reason starts with ``torchpass: pre-emptive``, or the node had a
+    ``health_warning`` before its ``drain_seen``;
+  - *planned*: any other drain of an active node (an admin's).
+
+  A drain counts once the job acts on it: ``migration_started`` with
+  ``mode="planned"`` (its ``failed`` node moves to a spare), or
+  ``drain_deferred`` (the node keeps its ranks until the job ends: resolution
+  ``deferred``, 0 steps lost, 0 recomputed, a recovery of its own). A drained
+  node is then out of the job, as a failed one is. A drained spare gives
+  ``spare_lost``: a spare fault. A drain never acted on (the job ended first)
+  is not counted.
+* **Unplanned fault.** One detection event -- ``heartbeat_lost``,
+  ``node_down``, or ``step_exited`` with an ``exit_code`` other than 0 (0 is a
+  rank's normal end) -- on an *active* node. Detections of the same node
+  within one recovery, or later ones of a node that failed and has not
+  rejoined (echoes: its step exits after its heartbeats were lost), count
+  once; the first one's ``ts`` is the detection time. Detections on a spare,
+  and ``spare_lost``, are *spare faults*: counted apart, they cost no
+  progress. A role missing from the event is taken from the membership the
+  log shows (``started``' ``spares``, less the promoted ones; a lost spare
+  stays a spare).
+* **Recovery.** Opened by the first fault while none is open (a detection,
+  or a planned ``migration_started``); more faults before it ends join it (and
+  share its outcome). It ends at ``migration_done``, ``restarted``, ``failed``
+  or ``finished``. Migration events (``group_rebuilt``, ``agreement``,
+  ``transfer_done``, ``first_step``, ``migration_done``) belong to the
+  recovery whose ``migration_started`` has their epoch, else to the open one.
+* **Resolution.** ``deferred`` for a deferred drain; else
+  ``migration_done.resolution`` (live | checkpoint | elastic | fatal) if
+  present; else ``restarted`` with ``from_checkpoint`` -> checkpoint; else a
+  ``failed`` event while the recovery is open -> fatal; else unresolved.
 * **Phases** (seconds), consecutive intervals between these marks::
 
       last heartbeat --detection--> detected --decision--> migration_started
@@ -35,23 +52,26 @@ The rules (also printed under the table, :data:`RULES`):
   ``group_rebuilt`` and ``transfer_done`` are the *last* of the migration (the
   group is up, the state is in place, when the last rank says so);
   ``agreement`` and ``first_step`` the first. ``last_heartbeat`` comes from
-  ``migration_started`` (a number, or ``{node: ts}``). total = first_step -
-  detected. A phase whose either end is not in the log, or whose end comes
-  before its start (a fault detected after its recovery began), is null:
-  never an invented number.
+  ``migration_started`` (a number, or ``{node: ts}``). A drain's *detected*
+  mark is its ``drain_seen`` (detector ``drain``), a pre-emptive one's the
+  node's ``health_warning`` (detector ``health``); there is nothing to detect,
+  so its detection phase is null. total = first_step - detected. A phase whose
+  either end is not in the log, or whose end comes before its start (a fault
+  detected after its recovery began), is null: never an invented number.
 * **Steps.** Committed steps lost and steps recomputed come from
   ``migration_done`` (``lost_steps``, ``recomputed_steps``); without it they
   are unknown (null). They are per recovery: totals add each recovery once,
-  however many faults it handled. A fault with *no lost progress* is one whose
-  recovery has ``lost_steps == 0``; its share is taken over all active-node
-  faults (a fault whose loss is unknown is not one with no lost progress).
+  however many faults it handled, in the class of the fault that opened it. A
+  fault with *no lost progress* is one whose recovery has ``lost_steps == 0``;
+  its share is taken over all the faults of a class, and over all faults (a
+  fault whose loss is unknown is not one with no lost progress).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -59,16 +79,19 @@ from torchpass_slurm import events as ev
 from torchpass_slurm.events import Event
 
 __all__ = [
+    "CLASSES",
     "PHASES",
     "RESOLUTIONS",
     "RULES",
-    "ClassTotals",
+    "ClassSummary",
     "Fault",
     "JobReport",
     "Phases",
     "SpareFault",
     "Summary",
+    "Totals",
     "analyse",
+    "format_percent",
     "format_seconds",
     "format_steps",
     "format_time",
@@ -87,13 +110,18 @@ DETECTION_KINDS = frozenset({ev.HEARTBEAT_LOST, ev.NODE_DOWN, ev.STEP_EXITED})
 CLOSING_KINDS = frozenset({ev.MIGRATION_DONE, ev.RESTARTED, ev.FAILED, ev.FINISHED})
 #: Phase names, in order; ``total`` is kept apart.
 PHASES = ("detection", "decision", "rebuild", "agreement", "transfer", "first_step")
+#: Fault classes, in the order they are reported.
+CLASSES = ("unplanned", "pre-emptive", "planned")
+#: How the job's own drains begin their reason (``MigrationMixin._health_warning``).
+PRE_EMPTIVE_REASON = "torchpass: pre-emptive"
 #: Resolution classes, in the order they are reported; None is "unresolved".
-RESOLUTIONS: tuple[str | None, ...] = ("live", "checkpoint", "elastic", "fatal", None)
+RESOLUTIONS: tuple[str | None, ...] = ("live", "checkpoint", "elastic", "deferred", "fatal", None)
 #: How each resolution reads in the summary line.
 RESOLUTION_PHRASES: Mapping[str | None, str] = {
     "live": "resolved by live migration",
     "checkpoint": "resolved by checkpoint restart",
     "elastic": "resolved by continuing on fewer nodes",
+    "deferred": "deferred to the end of the job",
     "fatal": "was fatal",
     None: "is unresolved in the log",
 }
@@ -102,15 +130,18 @@ QUIET_WHEN_UNKNOWN = frozenset({"fatal", None})
 
 #: The footnote printed under every human report.
 RULES = (
-    "A fault is the first detection (heartbeat_lost, node_down, step_exited with exit code != 0) of an "
-    "active node; more detections of that node in one recovery count once. Resolution: "
-    "migration_done.resolution, else restarted from a checkpoint -> checkpoint, else failed -> fatal. "
-    "Phases (s): detect = last heartbeat -> detected, decide = -> migration_started, rebuild = -> last "
+    "A fault is unplanned (the first detection -- heartbeat_lost, node_down, step_exited with exit code "
+    "!= 0 -- of an active node; more in one recovery count once), pre-emptive (a drain after the node's "
+    "health_warning, or with the reason \"torchpass: pre-emptive\") or planned (another drain); a drain "
+    "counts once migrated (migration_started mode=planned) or deferred (drain_deferred: nothing lost). "
+    "Resolution: deferred, else migration_done.resolution, else restarted from a checkpoint -> "
+    "checkpoint, else failed -> fatal. Phases (s): detect = last heartbeat -> detected (none for a "
+    "drain, detected at drain_seen or health_warning), decide = -> migration_started, rebuild = -> last "
     "group_rebuilt, agree = -> agreement, transfer = -> last transfer_done, first step = -> first_step; "
     "total = detected -> first_step; - = not in the log. Lost = committed steps lost "
     "(migration_done.lost_steps), unknown when the log does not say; lost and recomputed steps are per "
-    "recovery. No lost progress = lost == 0, over all active-node faults. Spare faults cost no progress. "
-    "Times are UTC."
+    "recovery, in the class of its first fault. No lost progress = lost == 0, per class and over all. "
+    "Spare faults cost no progress. Times are UTC."
 )
 
 
@@ -137,7 +168,7 @@ class Phases:
 
 @dataclass(frozen=True)
 class Fault:
-    """One fault of an active node and how its recovery went."""
+    """One fault of an active node (of any class) and how its recovery went."""
 
     ts: float
     node: str
@@ -150,6 +181,7 @@ class Fault:
     lost_steps: int | None
     recomputed_steps: int | None
     phases: Phases
+    fault_class: str  # unplanned | pre-emptive | planned
 
 
 @dataclass(frozen=True)
@@ -173,8 +205,8 @@ class JobReport:
 
 
 @dataclass(frozen=True)
-class ClassTotals:
-    """Totals of one resolution class. Step sums are over recoveries, of the known values."""
+class Totals:
+    """Counts of a group of faults (one resolution, one class, all); step sums over its recoveries."""
 
     faults: int = 0
     recoveries: int = 0
@@ -185,26 +217,58 @@ class ClassTotals:
 
 
 @dataclass(frozen=True)
-class Summary:
-    """Totals over one or more jobs."""
+class ClassSummary:
+    """One fault class, or all of them: totals, faults with no lost progress, faults per resolution."""
 
-    faults: int
+    totals: Totals
     no_lost_progress: int
-    spare_faults: int
-    by_resolution: Mapping[str | None, ClassTotals]
+    by_resolution: Mapping[str | None, int]
 
     @property
     def share_no_lost_progress(self) -> float | None:
         """no_lost_progress / faults; None without faults."""
-        return self.no_lost_progress / self.faults if self.faults else None
+        return self.no_lost_progress / self.totals.faults if self.totals.faults else None
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Totals over one or more jobs: per resolution, per fault class, over all."""
+
+    by_resolution: Mapping[str | None, Totals]
+    by_class: Mapping[str, ClassSummary]
+    total: ClassSummary
+    spare_faults: int
 
     @property
-    def overall(self) -> ClassTotals:
-        """The sum of every class."""
-        return _add_classes(self.by_resolution.values())
+    def faults(self) -> int:
+        """Faults of every class."""
+        return self.total.totals.faults
+
+    @property
+    def no_lost_progress(self) -> int:
+        """Faults of every class whose recovery lost no committed step."""
+        return self.total.no_lost_progress
+
+    @property
+    def share_no_lost_progress(self) -> float | None:
+        """no_lost_progress / faults; None without faults."""
+        return self.total.share_no_lost_progress
 
 
 # --- analysis -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Cause:
+    """One fault as the log shows it: a detection, or a drain the job acted on."""
+
+    fault_class: str
+    node: str
+    #: the detection; a drain's migration_started or drain_deferred
+    event: Event
+    #: the detected mark: the detection; a drain's drain_seen or health_warning (None: not in the log)
+    mark: Event | None
+    reason: str = ""
 
 
 @dataclass
@@ -212,7 +276,7 @@ class _Recovery:
     """What the log says of one recovery, while it is read."""
 
     index: int
-    detections: list[Event] = field(default_factory=list)
+    causes: list[_Cause] = field(default_factory=list)
     started: Event | None = None
     rebuilt: Event | None = None
     agreement: Event | None = None
@@ -221,9 +285,12 @@ class _Recovery:
     done: Event | None = None
     restarted: Event | None = None
     failed: Event | None = None
+    deferred: Event | None = None
 
     def resolution(self) -> str | None:
-        """migration_done's resolution, else a checkpoint restart, else fatal if the job failed."""
+        """Deferred; migration_done's resolution; a checkpoint restart; fatal if the job failed."""
+        if self.deferred is not None:
+            return "deferred"
         if self.done is not None and self.done.fields.get("resolution") is not None:
             return str(self.done.fields["resolution"])
         if self.restarted is not None and self.restarted.fields.get("from_checkpoint"):
@@ -231,7 +298,12 @@ class _Recovery:
         return "fatal" if self.failed is not None else None
 
     def steps(self, key: str) -> int | None:
-        """A step count migration_done reports (``lost_steps``, ``recomputed_steps``), or None."""
+        """A step count migration_done reports (``lost_steps``, ``recomputed_steps``), or None.
+
+        A deferred drain loses and recomputes nothing: 0.
+        """
+        if self.deferred is not None:
+            return 0
         value = None if self.done is None else self.done.fields.get(key)
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -245,6 +317,10 @@ class _Reader:
     spares: set[str] = field(default_factory=set)
     failed_nodes: set[str] = field(default_factory=set)
     spare_faults: dict[str, SpareFault] = field(default_factory=dict)
+    #: node -> its first health_warning not yet followed by a drain
+    warnings: dict[str, Event] = field(default_factory=dict)
+    #: node -> its drain_seen not yet acted on, and the health_warning before it
+    drains: dict[str, tuple[Event, Event | None]] = field(default_factory=dict)
 
     def feed(self, event: Event) -> None:
         """Take the next event of the log."""
@@ -252,6 +328,8 @@ class _Reader:
             self._detection(event)
         elif event.kind in _MIGRATION_SLOTS or event.kind == ev.MIGRATION_DONE:
             self._migration_event(event)
+        elif event.kind in _DRAIN_KINDS:
+            self._drain_event(event)
         else:
             self._other_event(event)
         if event.kind in CLOSING_KINDS:
@@ -265,10 +343,43 @@ class _Reader:
         if node in self.failed_nodes:  # the same fault, seen again
             return
         self.failed_nodes.add(node)
+        self._opened().causes.append(_Cause("unplanned", node, event, mark=event))
+
+    def _drain_event(self, event: Event) -> None:
+        """A health warning, a drain seen, and what the job did with the drain."""
+        node = str(event.fields.get("node", ""))
+        if event.kind == ev.HEALTH_WARNING:
+            self.warnings.setdefault(node, event)
+        elif event.kind == ev.DRAIN_SEEN:
+            self.drains[node] = (event, self.warnings.pop(node, None))
+        elif event.kind == ev.DRAIN_DEFERRED:
+            recovery = _Recovery(index=len(self.recoveries) + 1, deferred=event)
+            self.recoveries.append(recovery)  # nothing to recover: it never opens
+            recovery.causes.append(self._drain_cause(node, event))
+
+    def _planned_migration(self, event: Event) -> None:
+        """A drain moved to a spare: its fault opens (or joins) the recovery; its node leaves."""
+        recovery = self._opened()
+        for node in event.fields.get("failed") or ():
+            self.failed_nodes.add(str(node))
+            recovery.causes.append(self._drain_cause(str(node), event))
+
+    def _drain_cause(self, node: str, acted: Event) -> _Cause:
+        """The fault of a drain the job acted on (``acted``), with its class and detected mark."""
+        drain = self.drains.pop(node, None)
+        unclaimed = self.warnings.pop(node, None)  # after the drain_seen, or before a drain not in the log
+        seen, warning = drain if drain is not None else (None, unclaimed)
+        reason = str(acted.fields.get("reason") or (seen.fields.get("reason") if seen else None) or "")
+        pre_emptive = reason.startswith(PRE_EMPTIVE_REASON) or warning is not None
+        return _Cause("pre-emptive" if pre_emptive else "planned", node, acted,
+                      mark=warning or seen, reason=reason)
+
+    def _opened(self) -> _Recovery:
+        """The open recovery; a new one if none is open."""
         if self.open is None:
             self.open = _Recovery(index=len(self.recoveries) + 1)
             self.recoveries.append(self.open)
-        self.open.detections.append(event)
+        return self.open
 
     def _migration_event(self, event: Event) -> None:
         target = self._recovery_of_epoch(event.epoch) or self.open
@@ -286,6 +397,8 @@ class _Reader:
             self.spares = {str(n) for n in fields.get("spares") or ()}
         elif event.kind == ev.MIGRATION_STARTED:
             self.spares -= {str(n) for n in fields.get("spares") or ()}
+            if fields.get("mode") == "planned":
+                self._planned_migration(event)
             if self.open is not None and self.open.started is None:
                 self.open.started = event
         elif event.kind in (ev.SPARE_PROMOTED, ev.WORKER_UP):
@@ -324,6 +437,8 @@ _MIGRATION_SLOTS: Mapping[str, str] = {
     ev.TRANSFER_DONE: "transfer",
     ev.FIRST_STEP: "first_step",
 }
+#: Events of a drain before (or instead of) its migration.
+_DRAIN_KINDS = frozenset({ev.HEALTH_WARNING, ev.DRAIN_SEEN, ev.DRAIN_DEFERRED})
 
 
 def is_detection(event: Event) -> bool:
@@ -339,7 +454,7 @@ def analyse(events: Iterable[Event], source: str = "") -> JobReport:
     reader = _Reader()
     for event in events:
         reader.feed(event)
-    faults = [_fault(d, r) for r in reader.recoveries for d in r.detections]
+    faults = [_fault(c, r) for r in reader.recoveries for c in r.causes]
     job = next((e.job for e in events if e.job), "")
     return JobReport(job=job, source=source, faults=tuple(faults),
                      spare_faults=tuple(sorted(reader.spare_faults.values(), key=lambda s: s.ts)))
@@ -351,29 +466,40 @@ def _spare_fault(event: Event, detector: str) -> SpareFault:
                       detector=str(fields.get("detector") or detector), detail=str(fields.get("detail") or ""))
 
 
-def _fault(detection: Event, recovery: _Recovery) -> Fault:
-    fields = detection.fields
+def _fault(cause: _Cause, recovery: _Recovery) -> Fault:
+    fields = cause.event.fields
     exit_code = fields.get("exit_code")
+    shown = cause.mark or cause.event
+    if cause.fault_class == "unplanned":
+        detector, detail = str(fields.get("detector") or cause.event.kind), str(fields.get("detail") or "")
+    else:
+        detector = "health" if shown.kind == ev.HEALTH_WARNING else "drain"
+        detail = cause.reason
+        if recovery.deferred is not None and recovery.deferred.fields.get("detail"):
+            detail += f" (deferred: {recovery.deferred.fields['detail']})"
     return Fault(
-        ts=detection.ts,
-        node=str(fields.get("node", "")),
-        kind=detection.kind,
-        detector=str(fields.get("detector") or detection.kind),
-        detail=str(fields.get("detail") or ""),
+        ts=shown.ts,
+        node=cause.node,
+        kind=shown.kind,
+        detector=detector,
+        detail=detail,
         exit_code=exit_code if isinstance(exit_code, int) else None,
         recovery=recovery.index,
         resolution=recovery.resolution(),
         lost_steps=recovery.steps("lost_steps"),
         recomputed_steps=recovery.steps("recomputed_steps"),
-        phases=_phases(detection, recovery),
+        phases=_phases(cause, recovery),
+        fault_class=cause.fault_class,
     )
 
 
-def _phases(detection: Event, recovery: _Recovery) -> Phases:
-    """Consecutive intervals last heartbeat -> detected -> ... -> first_step."""
+def _phases(cause: _Cause, recovery: _Recovery) -> Phases:
+    """Consecutive intervals last heartbeat -> detected -> ... -> first_step (a drain has no heartbeat)."""
+    detected = _ts(cause.mark)
+    heartbeat = _last_heartbeat(recovery.started, cause.node) if cause.fault_class == "unplanned" else None
     marks = [
-        _last_heartbeat(recovery.started, str(detection.fields.get("node", ""))),
-        detection.ts,
+        heartbeat,
+        detected,
         *(_ts(e) for e in (recovery.started, recovery.rebuilt, recovery.agreement,
                            recovery.transfer, recovery.first_step)),
     ]
@@ -385,7 +511,7 @@ def _phases(detection: Event, recovery: _Recovery) -> Phases:
         if marks[i] is not None and later is not None and marks[i] > later:
             marks[i] = later
     spans = [_interval(a, b) for a, b in zip(marks, marks[1:])]
-    return Phases(*spans, total=_interval(detection.ts, marks[-1]))
+    return Phases(*spans, total=_interval(detected, marks[-1]))
 
 
 def _last_heartbeat(started: Event | None, node: str) -> float | None:
@@ -414,42 +540,56 @@ def _interval(start: float | None, end: float | None) -> float | None:
 
 
 def summarise(reports: Iterable[JobReport]) -> Summary:
-    """Totals per resolution class over the jobs; steps count once per recovery."""
+    """Totals per resolution, per fault class and over all the jobs; steps count once per recovery."""
     reports = list(reports)
     faults = [f for r in reports for f in r.faults]
+    # A recovery's first fault stands for it: its steps count once, in that fault's class.
     firsts = list({(id(r), f.recovery): f for r in reports for f in reversed(r.faults)}.values())
-    present = {f.resolution for f in faults}
-    order = [r for r in RESOLUTIONS if r in present] + sorted(present - set(RESOLUTIONS), key=str)
     by_resolution = {
-        res: _class_totals(sum(f.resolution == res for f in faults), [f for f in firsts if f.resolution == res])
-        for res in order
+        res: _totals(*_where(faults, firsts, "resolution", res))
+        for res in _ordered({f.resolution for f in faults}, RESOLUTIONS)
     }
-    return Summary(
-        faults=len(faults),
+    by_class = {
+        c: _class_summary(*_where(faults, firsts, "fault_class", c))
+        for c in _ordered({f.fault_class for f in faults}, CLASSES)
+    }
+    return Summary(by_resolution=by_resolution, by_class=by_class, total=_class_summary(faults, firsts),
+                   spare_faults=sum(len(r.spare_faults) for r in reports))
+
+
+def _where(faults: Sequence[Fault], firsts: Sequence[Fault], attribute: str,
+           value: Any) -> tuple[list[Fault], list[Fault]]:
+    """The faults, and the recoveries' first faults, whose ``attribute`` is ``value``."""
+    return ([f for f in faults if getattr(f, attribute) == value],
+            [f for f in firsts if getattr(f, attribute) == value])
+
+
+def _ordered(present: set[Any], order: Sequence[Any]) -> list[Any]:
+    """``present`` in the reporting ``order``, any others after them by name."""
+    return [x for x in order if x in present] + sorted(present - set(order), key=str)
+
+
+def _class_summary(faults: Sequence[Fault], recoveries: Sequence[Fault]) -> ClassSummary:
+    resolutions = [f.resolution for f in faults]
+    return ClassSummary(
+        totals=_totals(faults, recoveries),
         no_lost_progress=sum(f.lost_steps == 0 for f in faults),
-        spare_faults=sum(len(r.spare_faults) for r in reports),
-        by_resolution=by_resolution,
+        by_resolution={res: resolutions.count(res) for res in _ordered(set(resolutions), RESOLUTIONS)},
     )
 
 
-def _class_totals(faults: int, recoveries: Sequence[Fault]) -> ClassTotals:
+def _totals(faults: Sequence[Fault], recoveries: Sequence[Fault]) -> Totals:
+    """The faults, and the step sums of the recoveries (each given by its first fault)."""
     lost = [f.lost_steps for f in recoveries]
     recomputed = [f.recomputed_steps for f in recoveries]
-    return ClassTotals(
-        faults=faults,
+    return Totals(
+        faults=len(faults),
         recoveries=len(recoveries),
         lost_steps=sum(n for n in lost if n is not None),
         lost_steps_unknown=lost.count(None),
         recomputed_steps=sum(n for n in recomputed if n is not None),
         recomputed_steps_unknown=recomputed.count(None),
     )
-
-
-def _add_classes(classes: Iterable[ClassTotals]) -> ClassTotals:
-    total = ClassTotals()
-    for c in classes:
-        total = ClassTotals(*(a + b for a, b in zip(astuple(total), astuple(c))))
-    return total
 
 
 # --- text ---------------------------------------------------------------------
@@ -466,7 +606,7 @@ def summary_line(summary: Summary) -> str:
         phrase = RESOLUTION_PHRASES.get(resolution, f"resolved as {resolution}")
         parts.append(f"{head} {phrase}{_lost_phrase(resolution, totals)}")
     share = summary.share_no_lost_progress or 0.0
-    return "; ".join(parts) + f" ({_percent(share)} with no lost progress)"
+    return "; ".join(parts) + f" ({format_percent(share)} with no lost progress)"
 
 
 def spare_line(spare_faults: int) -> str | None:
@@ -477,7 +617,7 @@ def spare_line(spare_faults: int) -> str | None:
     return f"{spare_faults} {noun} lost on standby (no progress lost)"
 
 
-def _lost_phrase(resolution: str | None, totals: ClassTotals) -> str:
+def _lost_phrase(resolution: str | None, totals: Totals) -> str:
     """`` with 3 committed steps lost``; the unknown ones are said, never counted as 0."""
     if totals.lost_steps_unknown == totals.recoveries:
         return "" if resolution in QUIET_WHEN_UNKNOWN else " with an unknown number of committed steps lost"
@@ -487,8 +627,9 @@ def _lost_phrase(resolution: str | None, totals: ClassTotals) -> str:
     return text
 
 
-def _percent(share: float) -> str:
-    return f"{math.floor(share * 100 + 0.5)}%"
+def format_percent(share: float | None) -> str:
+    """``67%`` (half up); None -> ``-``."""
+    return "-" if share is None else f"{math.floor(share * 100 + 0.5)}%"
 
 
 def format_time(ts: float) -> str:
@@ -523,32 +664,50 @@ def job_json(report: JobReport) -> dict[str, Any]:
     }
 
 
-def report_json(reports: Sequence[JobReport]) -> dict[str, Any]:
-    """One job: its document; several: ``{"jobs": [...], "totals": summary}``."""
+def report_json(reports: Sequence[JobReport], *, totals_only: bool = False) -> dict[str, Any]:
+    """One job: its document; several: ``{"jobs": [...], "totals": summary}``.
+
+    ``totals_only``: ``{"totals": summary}``, whatever the number of jobs.
+    """
+    if totals_only:
+        return {"totals": summary_json(summarise(reports))}
     if len(reports) == 1:
         return job_json(reports[0])
     return {"jobs": [job_json(r) for r in reports], "totals": summary_json(summarise(reports))}
 
 
 def summary_json(summary: Summary) -> dict[str, Any]:
-    """Counts, the no-lost-progress share, and per-class totals (``unresolved`` for None)."""
+    """Counts, the no-lost-progress share, and totals per resolution (``unresolved`` for None),
+    per fault class (``by_class``) and over all classes (``total``)."""
     share = summary.share_no_lost_progress
-    overall = summary.overall
     return {
         "faults": summary.faults,
         "no_lost_progress": summary.no_lost_progress,
-        "no_lost_progress_share": None if share is None else round(share, 4),
-        **_steps_json(overall),
+        "no_lost_progress_share": _round_share(share),
+        **_steps_json(summary.total.totals),
         "spare_faults": summary.spare_faults,
         "by_resolution": {
             _resolution_key(res): {"faults": totals.faults, **_steps_json(totals)}
             for res, totals in summary.by_resolution.items()
         },
+        "by_class": {name: _class_json(c) for name, c in summary.by_class.items()},
+        "total": _class_json(summary.total),
         "text": summary_line(summary),
     }
 
 
-def _steps_json(totals: ClassTotals) -> dict[str, int | None]:
+def _class_json(summary: ClassSummary) -> dict[str, Any]:
+    """``events``, ``no_lost_progress`` and its share, ``resolutions{}`` (counts), and the step sums."""
+    return {
+        "events": summary.totals.faults,
+        "no_lost_progress": summary.no_lost_progress,
+        "no_lost_progress_share": _round_share(summary.share_no_lost_progress),
+        "resolutions": {_resolution_key(res): n for res, n in summary.by_resolution.items()},
+        **_steps_json(summary.totals),
+    }
+
+
+def _steps_json(totals: Totals) -> dict[str, int | None]:
     """Step sums over the recoveries that report them (null when none does), and how many do not."""
     known = totals.recoveries - totals.lost_steps_unknown, totals.recoveries - totals.recomputed_steps_unknown
     return {
@@ -563,6 +722,7 @@ def _steps_json(totals: ClassTotals) -> dict[str, int | None]:
 def _fault_json(index: int, fault: Fault) -> dict[str, Any]:
     return {
         "index": index,
+        "class": fault.fault_class,
         "time": _round(fault.ts),
         "node": fault.node,
         "kind": fault.kind,
@@ -579,6 +739,10 @@ def _fault_json(index: int, fault: Fault) -> dict[str, Any]:
 
 def _resolution_key(resolution: str | None) -> str:
     return "unresolved" if resolution is None else resolution
+
+
+def _round_share(share: float | None) -> float | None:
+    return None if share is None else round(share, 4)
 
 
 def _round(value: float | None) -> float | None:

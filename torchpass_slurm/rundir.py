@@ -7,6 +7,9 @@ it (``--comment=torchpass:run_dir=PATH``); failing that, the folder of the
 job's stdout file is used if it is a run folder (tp-submit's default
 ``--output`` is ``RUN_DIR/slurm-%j.out``).
 
+``tp report`` also takes a folder of run folders (a fleet's, such as
+``/shared/runs``): :func:`run_dirs_in` lists the run folders one level down.
+
 Only :func:`find_run_dir` talks to Slurm, through an injected backend;
 :func:`run_dir_of_job` is pure apart from looking at the file system.
 """
@@ -25,7 +28,8 @@ from torchpass_slurm.submit import RUN_DIR_COMMENT_PREFIX
 if TYPE_CHECKING:
     from torchpass_slurm.slurm import Job, SlurmBackend
 
-__all__ = ["RunDirError", "find_run_dir", "is_run_dir", "run_dir_from_comment", "run_dir_of_job"]
+__all__ = ["RunDirError", "find_run_dir", "is_run_dir", "run_dir_from_comment", "run_dir_of_job",
+           "run_dirs_in"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,22 @@ class RunDirError(TorchpassError):
 def is_run_dir(path: Path) -> bool:
     """Whether ``path`` is a folder holding ``status.json`` or ``events.jsonl``."""
     return path.is_dir() and any((path / marker).is_file() for marker in RUN_DIR_MARKERS)
+
+
+def run_dirs_in(folder: Path) -> list[Path]:
+    """The run folders directly inside ``folder``, sorted by name; RunDirError if it holds none."""
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError as exc:
+        raise RunDirError(f"cannot list the folder {folder}: {exc.strerror}") from None
+    run_dirs = [entry for entry in entries if is_run_dir(entry)]
+    if not run_dirs:
+        raise RunDirError(
+            f"{folder} is neither a torchpass run folder nor a folder of run folders: neither it nor "
+            f"any folder in it has {STATUS_FILE} or {EVENTS_FILE}",
+            hint="pass a job id, a run folder, or the folder that holds the run folders (e.g. /shared/runs)",
+        )
+    return run_dirs
 
 
 def run_dir_from_comment(comment: str | None) -> Path | None:

@@ -1,7 +1,8 @@
 """``tp report``: every fault of a job, how it was resolved, and where the recovery time went.
 
 The analysis is :mod:`torchpass_slurm.report` (pure, its docstring states the
-rules); this module reads the event logs and draws the tables. rich is
+rules); this module finds the run folders (a folder of run folders stands for
+all of them: a fleet), reads the event logs and draws the tables. rich is
 imported only inside functions: ``tp --help`` stays instant.
 """
 
@@ -11,17 +12,21 @@ import json
 import logging
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
 from torchpass_slurm.cli.app import App, pass_app
-from torchpass_slurm.events import EVENTS_FILE, read_events
+from torchpass_slurm.events import EVENTS_FILE, EventLogError, read_events
 from torchpass_slurm.report import (
     RULES,
+    ClassSummary,
     JobReport,
     Summary,
+    Totals,
     analyse,
+    format_percent,
     format_seconds,
     format_steps,
     format_time,
@@ -30,7 +35,7 @@ from torchpass_slurm.report import (
     summarise,
     summary_line,
 )
-from torchpass_slurm.rundir import find_run_dir
+from torchpass_slurm.rundir import RunDirError, find_run_dir, is_run_dir, run_dirs_in
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -39,18 +44,57 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: Columns of the per-fault table.
-FAULT_COLUMNS = ("#", "TIME", "NODE", "DETECTOR", "RESOLUTION", "LOST", "RECOMPUTED",
+FAULT_COLUMNS = ("#", "TIME", "CLASS", "NODE", "DETECTOR", "RESOLUTION", "LOST", "RECOMPUTED",
                  "DETECT", "DECIDE", "REBUILD", "AGREE", "TRANSFER", "FIRST STEP", "TOTAL")
-#: Columns of the totals table (several jobs).
+#: Columns of the totals per fault class (several jobs).
+CLASS_COLUMNS = ("CLASS", "EVENTS", "NO LOST PROGRESS", "SHARE", "LIVE", "CHECKPOINT", "OTHER", "LOST",
+                 "RECOMPUTED")
+#: Columns of the totals per resolution (several jobs).
 TOTAL_COLUMNS = ("RESOLUTION", "FAULTS", "RECOVERIES", "LOST", "RECOMPUTED")
 #: Width a table is measured in before it is printed (wider than any table).
 UNBOUNDED_WIDTH = 10_000
 
 
-def load_report(job_or_run_dir: str) -> JobReport:
-    """Find the run folder, read its event log and analyse it."""
-    run_dir = find_run_dir(job_or_run_dir)
+def load_reports(args: Sequence[str]) -> list[JobReport]:
+    """The report of every job named: a job id, a run folder, or a folder of run folders (a fleet).
+
+    A run folder named by hand must have a readable event log; in a fleet, one
+    without a readable event log is skipped with a warning. A run folder named
+    twice is reported once.
+    """
+    reports: list[JobReport] = []
+    seen: set[Path] = set()
+    for arg in args:
+        folder = Path(arg).expanduser()
+        fleet = folder.is_dir() and not is_run_dir(folder)
+        for run_dir in run_dirs_in(folder) if fleet else [find_run_dir(arg)]:
+            if run_dir.resolve() in seen:
+                continue
+            seen.add(run_dir.resolve())
+            report = load_fleet_member(run_dir) if fleet else load_report(run_dir)
+            if report is not None:
+                reports.append(report)
+    if not reports:
+        raise RunDirError(f"none of the run folders found has a readable event log ({len(seen)} skipped)",
+                          hint=f"a job that has not started has no {EVENTS_FILE} yet; see the warnings above")
+    return reports
+
+
+def load_report(run_dir: Path) -> JobReport:
+    """Read a run folder's event log and analyse it."""
     return analyse(read_events(run_dir / EVENTS_FILE), source=str(run_dir))
+
+
+def load_fleet_member(run_dir: Path) -> JobReport | None:
+    """:func:`load_report`, or None with a warning on stderr when the event log cannot be read."""
+    if not (run_dir / EVENTS_FILE).is_file():
+        click.echo(f"warning: skipping {run_dir}: it has no {EVENTS_FILE}", err=True)
+        return None
+    try:
+        return load_report(run_dir)
+    except EventLogError as err:
+        click.echo(f"warning: skipping {run_dir}: {err.message}", err=True)
+        return None
 
 
 def render_job(report: JobReport) -> RenderableType:
@@ -76,27 +120,25 @@ def fault_table(report: JobReport) -> Table:
     for i, fault in enumerate(report.faults, 1):
         p = fault.phases
         rows.append((
-            str(i), format_time(fault.ts), fault.node, fault.detector, fault.resolution or "unresolved",
+            str(i), format_time(fault.ts), fault.fault_class, fault.node, fault.detector,
+            fault.resolution or "unresolved",
             format_steps(fault.lost_steps), format_steps(fault.recomputed_steps),
             *(format_seconds(s) for s in (p.detection, p.decision, p.rebuild, p.agreement,
                                           p.transfer, p.first_step, p.total)),
         ))
-    return _table(FAULT_COLUMNS, rows, numeric_from=5)
+    return _table(FAULT_COLUMNS, rows, numeric_from=6)
 
 
 def render_totals(summary: Summary) -> RenderableType:
-    """Totals per resolution class over several jobs, and the summary line."""
+    """Totals per fault class and per resolution over several jobs, the summary and spare lines."""
     from rich.console import Group
     from rich.text import Text
 
-    rows = [
-        (resolution or "unresolved", str(t.faults), str(t.recoveries),
-         _steps_total(t.lost_steps, t.lost_steps_unknown),
-         _steps_total(t.recomputed_steps, t.recomputed_steps_unknown))
-        for resolution, t in summary.by_resolution.items()
-    ]
     parts: list[RenderableType] = [Text("totals", style="bold")]
-    if rows:
+    if summary.faults:
+        parts.append(class_table(summary))
+        rows = [(resolution or "unresolved", str(t.faults), str(t.recoveries), *_step_cells(t))
+                for resolution, t in summary.by_resolution.items()]
         parts.append(_table(TOTAL_COLUMNS, rows, numeric_from=1))
     parts.append(Text(summary_line(summary)))
     spares = spare_line(summary.spare_faults)
@@ -105,19 +147,33 @@ def render_totals(summary: Summary) -> RenderableType:
     return Group(*parts)
 
 
-def sections(reports: Sequence[JobReport]) -> list[RenderableType]:
-    """Every job's section, then the totals when there are several."""
+def class_table(summary: Summary) -> Table:
+    """One row per fault class present, then the total over all classes."""
+    rows = [_class_row(name, c) for name, c in summary.by_class.items()]
+    return _table(CLASS_COLUMNS, rows, numeric_from=1, footer=_class_row("total", summary.total))
+
+
+def _class_row(name: str, c: ClassSummary) -> tuple[str, ...]:
+    live, checkpoint = c.by_resolution.get("live", 0), c.by_resolution.get("checkpoint", 0)
+    return (name, str(c.totals.faults), str(c.no_lost_progress), format_percent(c.share_no_lost_progress),
+            str(live), str(checkpoint), str(c.totals.faults - live - checkpoint), *_step_cells(c.totals))
+
+
+def sections(reports: Sequence[JobReport], *, totals_only: bool = False) -> list[RenderableType]:
+    """Every job's section, then the totals when there are several; only the totals if asked."""
+    if totals_only:
+        return [render_totals(summarise(reports))]
     parts = [render_job(r) for r in reports]
     if len(reports) > 1:
         parts.append(render_totals(summarise(reports)))
     return parts
 
 
-def print_report(console: Console, reports: Sequence[JobReport]) -> None:
+def print_report(console: Console, reports: Sequence[JobReport], *, totals_only: bool = False) -> None:
     """The sections, each as wide as its table needs, then the rules at the console's width."""
     from rich.text import Text
 
-    for part in sections(reports):
+    for part in sections(reports, totals_only=totals_only):
         print_wide(console, part)
         console.print()
     console.print(Text(textwrap.fill(RULES, width=console.width), style="dim"), soft_wrap=True)
@@ -139,40 +195,57 @@ def print_wide(console: Console, renderable: RenderableType) -> None:
         console.width = width
 
 
-def _table(columns: Sequence[str], rows: Sequence[Sequence[str]], numeric_from: int) -> Table:
-    """A borderless table; columns from ``numeric_from`` on (and ``#``) are right-aligned."""
+def _table(columns: Sequence[str], rows: Sequence[Sequence[str]], numeric_from: int,
+           footer: Sequence[str] | None = None) -> Table:
+    """A borderless table; columns from ``numeric_from`` on (and ``#``) are right-aligned.
+
+    A ``footer`` row (totals) is drawn under a line.
+    """
     from rich import box
     from rich.table import Table
 
-    table = Table(box=box.SIMPLE, show_edge=False, pad_edge=False)
+    table = Table(box=box.SIMPLE, show_edge=False, pad_edge=False, show_footer=footer is not None,
+                  footer_style="none")
     for i, column in enumerate(columns):
         numeric = i >= numeric_from or column == "#"
-        table.add_column(column, justify="right" if numeric else "left", no_wrap=True)
+        table.add_column(column, footer=footer[i] if footer else "", justify="right" if numeric else "left",
+                         no_wrap=True)
     for row in rows:
         table.add_row(*row)
     return table
 
 
-def _steps_total(known: int, unknown: int) -> str:
-    """``12``, ``12 + 1 unknown``, or ``unknown`` (all unknown)."""
-    if unknown and not known:
+def _step_cells(totals: Totals) -> tuple[str, str]:
+    """The LOST and RECOMPUTED cells of a totals row."""
+    return (_steps_total(totals.lost_steps, totals.lost_steps_unknown, totals.recoveries),
+            _steps_total(totals.recomputed_steps, totals.recomputed_steps_unknown, totals.recoveries))
+
+
+def _steps_total(known: int, unknown: int, recoveries: int) -> str:
+    """``12``, ``0 + 1 unknown`` (the sum of the known ones), or ``unknown`` (no recovery says)."""
+    if unknown and unknown == recoveries:
         return "unknown"
     return f"{known} + {unknown} unknown" if unknown else str(known)
 
 
 @click.command("report")
 @click.argument("jobs_or_run_dirs", metavar="JOB_OR_RUN_DIR...", nargs=-1, required=True)
-@click.option("--json", "as_json", is_flag=True, help="Print faults[] and summary{} as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print faults[] and summary{} as JSON (several jobs: jobs[] and totals{}).")
+@click.option("--totals-only", is_flag=True,
+              help="Print only the totals (per fault class and per resolution), not each job.")
 @pass_app
-def report(app: App, jobs_or_run_dirs: tuple[str, ...], as_json: bool) -> None:
+def report(app: App, jobs_or_run_dirs: tuple[str, ...], as_json: bool, totals_only: bool) -> None:
     """Show every fault of a job, how it was resolved, and the recovery-time split.
 
-    JOB_OR_RUN_DIR is a Slurm job id submitted with tp-submit, or the job's run
-    folder; give several for one section per job and totals per resolution.
-    Times are UTC; phases are in seconds; the rules are printed under the report.
+    JOB_OR_RUN_DIR is a Slurm job id submitted with tp-submit, the job's run
+    folder, or a folder of run folders (e.g. /shared/runs: every run folder in
+    it). With several jobs come totals per fault class (unplanned, pre-emptive,
+    planned) and per resolution. Times are UTC; phases are in seconds; the
+    rules are printed under the report.
     """
-    reports = [load_report(arg) for arg in jobs_or_run_dirs]
+    reports = load_reports(jobs_or_run_dirs)
     if as_json:
-        click.echo(json.dumps(report_json(reports), indent=2, sort_keys=True))
+        click.echo(json.dumps(report_json(reports, totals_only=totals_only), indent=2, sort_keys=True))
         return
-    print_report(app.console, reports)
+    print_report(app.console, reports, totals_only=totals_only)

@@ -38,19 +38,27 @@ class JobLog:
 
     def migration(self, t: float, epoch: int, failed: list[str], spares: list[str], *,
                   last_heartbeat: float | None, lost: int = 0, recomputed: int = 0,
-                  resolution: str = "live", skip: tuple[str, ...] = ()) -> JobLog:
+                  resolution: str = "live", skip: tuple[str, ...] = (), reason: str | None = None) -> JobLog:
         """A live migration starting ``t`` s in: decide 0.5, rebuild 0.75 (two ranks), agree 0.25,
-        transfer 1.0 (two receivers), first step 0.5; kinds in ``skip`` are left out."""
+        transfer 1.0 (two receivers), first step 0.5; kinds in ``skip`` are left out.
+
+        With a drain's ``reason``, a planned one as ``_migrate_planned`` writes it.
+        """
         beat = None if last_heartbeat is None else T0 + last_heartbeat
+        start: dict[str, Any] = dict(failed=failed, spares=spares, last_heartbeat=beat)
+        done: dict[str, Any] = dict(resolution=resolution, lost_steps=lost, recomputed_steps=recomputed)
+        if reason is not None:
+            start.update(mode="planned", reason=reason)
+            done.update(planned=True)
         steps: list[tuple[float, str, dict[str, Any]]] = [
-            (0.0, "migration_started", dict(failed=failed, spares=spares, last_heartbeat=beat)),
+            (0.0, "migration_started", start),
             (0.5, "group_rebuilt", dict(seconds=0.5)),
             (0.75, "group_rebuilt", dict(seconds=0.75)),
             (1.0, "agreement", dict(committed_step=100)),
             (1.5, "transfer_done", dict(donor=0, receiver=4, bytes=1024, seconds=0.5, retries=0)),
             (2.0, "transfer_done", dict(donor=1, receiver=5, bytes=1024, seconds=1.0, retries=1)),
             (2.5, "first_step", dict(step=101)),
-            (2.6, "migration_done", dict(resolution=resolution, lost_steps=lost, recomputed_steps=recomputed)),
+            (2.6, "migration_done", done),
         ]
         for offset, kind, fields in steps:
             if kind not in skip:
@@ -116,6 +124,32 @@ def checkpoint_restart(log: JobLog) -> JobLog:
     log.at(11.0, "step_exited", node="n2", exit_code=137)  # echo of the same fault
     log.at(12.0, "worker_up", node="n1", role="active")
     log.at(30.0, "finished", exit_code=0, message="training done", restarts=1)
+    return log
+
+
+#: A health agent's summary, and the reason the job drains the node with (``MigrationMixin._health_warning``).
+ECC = "GPU 2: 12 new correctable ECC errors"
+PRE_EMPTIVE = f"torchpass: pre-emptive: WARNING: {ECC}"
+#: What the supervisor says when it cannot move a drained node's ranks.
+NO_MIGRATION = ("no live migration possible (no spare, or a rank not on the elastic loop): the node drains "
+                "when the job ends")
+
+
+def every_class(log: JobLog) -> JobLog:
+    """n2's heartbeats lost (moved live), n3's health warning (moved ahead of failing), an admin
+    drain of n1 with no spare left (deferred): one fault of each class, none losing progress."""
+    log.started(["n1", "n2", "n3"], ["s1", "s2"])
+    log.detected(10.0, "heartbeat_lost", "n2")
+    log.migration(10.5, 2, ["n2"], ["s1"], last_heartbeat=7.0, recomputed=1)
+    log.at(30.0, "health_warning", node="n3", status="WARNING", summary=ECC)
+    log.at(33.0, "drain_seen", node="n3", reason=PRE_EMPTIVE)
+    log.migration(33.5, 3, ["n3"], ["s2"], last_heartbeat=None, reason=PRE_EMPTIVE)
+    log.at(37.0, "node_released", node="n3", released=True)
+    log.at(50.0, "drain_seen", node="n1", reason="firmware update")
+    log.at(50.5, "drain_deferred", node="n1", reason="firmware update", detail=NO_MIGRATION)
+    for node in ("n1", "s1", "s2"):
+        log.at(60.0, "step_exited", node=node, exit_code=0)
+    log.at(61.0, "finished", exit_code=0, message="training done", restarts=0)
     return log
 
 

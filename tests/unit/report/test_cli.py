@@ -11,19 +11,27 @@ from tests.unit.cli.conftest import tp
 from .conftest import checkpoint_restart, fatal, two_live_migrations
 
 RULES = """\
-A fault is the first detection (heartbeat_lost, node_down, step_exited with exit code != 0) of an
-active node; more detections of that node in one recovery count once. Resolution:
-migration_done.resolution, else restarted from a checkpoint -> checkpoint, else failed -> fatal.
-Phases (s): detect = last heartbeat -> detected, decide = -> migration_started, rebuild = -> last
+A fault is unplanned (the first detection -- heartbeat_lost, node_down, step_exited with exit code
+!= 0 -- of an active node; more in one recovery count once), pre-emptive (a drain after the node's
+health_warning, or with the reason "torchpass: pre-emptive") or planned (another drain); a drain
+counts once migrated (migration_started mode=planned) or deferred (drain_deferred: nothing lost).
+Resolution: deferred, else migration_done.resolution, else restarted from a checkpoint ->
+checkpoint, else failed -> fatal. Phases (s): detect = last heartbeat -> detected (none for a drain,
+detected at drain_seen or health_warning), decide = -> migration_started, rebuild = -> last
 group_rebuilt, agree = -> agreement, transfer = -> last transfer_done, first step = -> first_step;
 total = detected -> first_step; - = not in the log. Lost = committed steps lost
 (migration_done.lost_steps), unknown when the log does not say; lost and recomputed steps are per
-recovery. No lost progress = lost == 0, over all active-node faults. Spare faults cost no progress.
-Times are UTC.
+recovery, in the class of its first fault. No lost progress = lost == 0, per class and over all.
+Spare faults cost no progress. Times are UTC.
 """
 
-HEADER = ("#   TIME       NODE   DETECTOR         RESOLUTION   LOST   RECOMPUTED   DETECT   DECIDE   REBUILD"
-          "   AGREE   TRANSFER   FIRST STEP   TOTAL")
+HEADER = ("#   TIME       CLASS       NODE   DETECTOR         RESOLUTION   LOST   RECOMPUTED   DETECT   DECIDE"
+          "   REBUILD   AGREE   TRANSFER   FIRST STEP   TOTAL")
+
+#: ``summary.by_class.unplanned`` and ``summary.total`` of :func:`two_live_migrations`.
+LIVE_ONLY = {"events": 2, "no_lost_progress": 2, "no_lost_progress_share": 1.0, "resolutions": {"live": 2},
+             "recoveries": 2, "lost_steps": 0, "lost_steps_unknown": 0, "recomputed_steps": 3,
+             "recomputed_steps_unknown": 0}
 
 
 def test_two_live_migrations(job_log: Any) -> None:
@@ -33,8 +41,8 @@ def test_two_live_migrations(job_log: Any) -> None:
 job 4242  {log.run_dir}
 {HEADER}
 {"─" * len(HEADER)}
-1   05:06:17   n2     heartbeat_lost   live            0            0     3.00     0.50      0.75    0.25       1.00         0.50    3.00
-2   05:06:47   n3     node_down        live            0            3     2.00     0.25      0.75    0.25       1.00         0.50    2.75
+1   05:06:17   unplanned   n2     heartbeat_lost   live            0            0     3.00     0.50      0.75    0.25       1.00         0.50    3.00
+2   05:06:47   unplanned   n3     node_down        live            0            3     2.00     0.25      0.75    0.25       1.00         0.50    2.75
 2 of 2 faults resolved by live migration with 0 committed steps lost (100% with no lost progress)
 1 spare lost on standby (no progress lost): s9 (spare_lost)
 
@@ -53,16 +61,23 @@ def test_several_jobs_with_totals(job_log: Any) -> None:
         f"job 4242  {a.run_dir}", f"job 4243  {b.run_dir}", f"job 4244  {c.run_dir}", "totals",
         RULES.splitlines()[0]]
     assert sections[1].splitlines()[3:] == [
-        "1   05:06:17   n2     heartbeat_lost   checkpoint   unknown      unknown        -        -         -"
-        "       -          -            -       -",
+        "1   05:06:17   unplanned   n2     heartbeat_lost   checkpoint   unknown      unknown        -        -"
+        "         -       -          -            -       -",
         "1 of 1 fault resolved by checkpoint restart with an unknown number of committed steps lost "
         "(0% with no lost progress)"]
     assert sections[2].splitlines()[3:] == [
-        "1   05:06:12   n1     node_down   fatal        unknown      unknown        -        -         -"
-        "       -          -            -       -",
+        "1   05:06:12   unplanned   n1     node_down   fatal        unknown      unknown        -        -"
+        "         -       -          -            -       -",
         "1 of 1 fault was fatal (0% with no lost progress)"]
-    assert sections[3] == """\
+    class_header = ("CLASS       EVENTS   NO LOST PROGRESS   SHARE   LIVE   CHECKPOINT   OTHER            LOST"
+                    "      RECOMPUTED")
+    assert sections[3] == f"""\
 totals
+{class_header}
+{"─" * len(class_header)}
+unplanned        4                  2     50%      2            1       1   0 + 2 unknown   3 + 2 unknown
+{"─" * len(class_header)}
+total            4                  2     50%      2            1       1   0 + 2 unknown   3 + 2 unknown
 RESOLUTION   FAULTS   RECOVERIES      LOST   RECOMPUTED
 ───────────────────────────────────────────────────────
 live              2            2         0            3
@@ -92,7 +107,7 @@ def test_json_of_one_job(job_log: Any) -> None:
     assert document["run_dir"] == str(log.run_dir)
     assert document["spare_faults"] == []
     assert document["faults"][1] == {
-        "index": 2, "time": 1741064807.0, "node": "n3", "kind": "node_down", "detector": "node_down",
+        "index": 2, "class": "unplanned", "time": 1741064807.0, "node": "n3", "kind": "node_down", "detector": "node_down",
         "detail": "n3 failed", "exit_code": None, "recovery": 2, "resolution": "live", "lost_steps": 0,
         "recomputed_steps": 3,
         "phases": {"detection": 2.0, "decision": 0.25, "rebuild": 0.75, "agreement": 0.25, "transfer": 1.0,
@@ -104,6 +119,8 @@ def test_json_of_one_job(job_log: Any) -> None:
         "spare_faults": 0,
         "by_resolution": {"live": {"faults": 2, "recoveries": 2, "lost_steps": 0, "lost_steps_unknown": 0,
                                    "recomputed_steps": 3, "recomputed_steps_unknown": 0}},
+        "by_class": {"unplanned": LIVE_ONLY},
+        "total": LIVE_ONLY,
         "text": "2 of 2 faults resolved by live migration with 0 committed steps lost (100% with no lost progress)",
     }
 
@@ -131,10 +148,13 @@ def test_a_missing_run_dir(tmp_path: Path) -> None:
         "  hint: pass a job id (e.g. 4242) or the job's run folder\n"))
 
 
-def test_a_folder_that_is_not_a_run_dir(tmp_path: Path) -> None:
+def test_a_folder_that_holds_no_run_dir(tmp_path: Path) -> None:
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "events.txt").write_text("")
     assert tp("report", str(tmp_path)) == (1, "", (
-        f"error: {tmp_path} is a folder but not a torchpass run folder (it has no status.json and no "
-        "events.jsonl)\n  hint: pass the run folder tp-submit printed, or the job id\n"))
+        f"error: {tmp_path} is neither a torchpass run folder nor a folder of run folders: neither it nor "
+        "any folder in it has status.json or events.jsonl\n"
+        "  hint: pass a job id, a run folder, or the folder that holds the run folders (e.g. /shared/runs)\n"))
 
 
 def test_a_run_dir_without_an_event_log(tmp_path: Path) -> None:
