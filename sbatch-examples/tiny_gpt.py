@@ -163,7 +163,7 @@ def mean_over_ranks(value: torch.Tensor, world: int) -> float:
         value = value.detach().clone()
         dist.all_reduce(value)
         value /= world
-    return float(value)
+    return float(value.detach())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -188,6 +188,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch CPU threads (default $SLURM_CPUS_PER_TASK or 1; results depend on it)")
     p.add_argument("--fail-at-step", type=int, default=None,
                    help="fault injection: exit with status 17 once this many steps are done")
+    p.add_argument("--plain-ddp", action="store_true",
+                   help="train with plain torch DDP, without torchpass (the baseline of the benchmarks)")
+    p.add_argument("--warmup-steps", type=int, default=3,
+                   help="steps left out of the throughput line (default 3)")
     return p.parse_args(argv)
 
 
@@ -201,18 +205,123 @@ def checkpoint_dir(args: argparse.Namespace) -> Path | None:
 # --- training --------------------------------------------------------------------------
 
 
+class Throughput:
+    """Tokens per second over the steps after the warm-up, printed by rank 0 at the end."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.tokens_per_step = args.batch_size * args.context * world
+        self.warmup = args.warmup_steps
+        self.first: tuple[int, float] | None = None
+        self.last: tuple[int, float] | None = None
+
+    def commit(self, done: int) -> None:
+        now = time.perf_counter()
+        if done >= self.warmup and self.first is None:
+            self.first = (done, now)
+        self.last = (done, now)
+
+    def line(self) -> str:
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return "throughput unknown (no step after the warm-up)"
+        steps, seconds = self.last[0] - self.first[0], self.last[1] - self.first[1]
+        return (f"throughput steps={steps} seconds={seconds:.3f} "
+                f"tokens_per_s={steps * self.tokens_per_step / seconds:.1f}")
+
+
+def after_step(args: argparse.Namespace, done: int, loss: torch.Tensor, meter: Throughput,
+               state: dict[str, checkpoint.TrainState], ckpt_dir: Path | None) -> None:
+    """After a committed step: time it, print the loss every --log-every steps, checkpoint."""
+    meter.commit(done)
+    if done % args.log_every == 0 or done == args.steps:
+        mean = mean_over_ranks(loss, meter.world)
+        if meter.rank == 0:
+            print(f"step={done} loss={mean:.4f}", flush=True)
+    if ckpt_dir and args.ckpt_every and done % args.ckpt_every == 0:
+        checkpoint.save(state, ckpt_dir, done, keep=args.ckpt_keep)
+
+
+def print_end(args: argparse.Namespace, loss: torch.Tensor, meter: Throughput, model: nn.Module,
+              opt: torch.optim.Optimizer) -> None:
+    """Rank 0's last lines: the throughput, then the final loss and the hashes of the state."""
+    final_loss = mean_over_ranks(loss, meter.world)
+    if meter.rank == 0:
+        print(meter.line(), flush=True)
+        print(f"done step={args.steps} loss={final_loss:.4f} params_sha256={params_sha256(model)} "
+              f"optim_sha256={optim_sha256(opt)}", flush=True)
+
+
+def build(args: argparse.Namespace) -> tuple[TinyGPT, torch.optim.Optimizer]:
+    """The model and optimizer, identical on every rank (same seed)."""
+    torch.manual_seed(args.seed)
+    model = TinyGPT(args.vocab, args.d_model, args.n_layers, args.n_heads, args.context, args.dropout)
+    return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+
+
+def loss_of(args: argparse.Namespace, model: nn.Module, step: int, rank: int, world: int) -> torch.Tensor:
+    """Forward and backward of one step; DDP all-reduces the gradients in backward."""
+    # Per-rank randomness (dropout) is a function of (seed, rank, step), so a
+    # spare that takes over a rank draws exactly what the lost rank would have.
+    torch.manual_seed(args.seed * 7919 + rank * 104_729 + step)
+    x, y = batch(args.seed, step, rank, world, args.batch_size, args.context, args.vocab)
+    loss = F.cross_entropy(model(x).reshape(-1, args.vocab), y.reshape(-1))
+    loss.backward()
+    return loss
+
+
+def plain_main(args: argparse.Namespace) -> int:
+    """The same training with torch DDP alone: what a job without fault tolerance runs.
+
+    Rank and world come from Slurm (``SLURM_PROCID``, ``SLURM_NTASKS``) or
+    torchrun (``RANK``, ``WORLD_SIZE``); the rendezvous from ``MASTER_ADDR`` /
+    ``MASTER_PORT``. It resumes from the newest checkpoint in ``--ckpt-dir``,
+    so a requeued job carries on from there (and recomputes the steps since).
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    model, opt = build(args)
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        ddp: nn.Module = DDP(model)
+    else:
+        ddp = model
+    state = {"train": checkpoint.TrainState(model, opt)}
+    ckpt_dir = checkpoint_dir(args)
+    start = (checkpoint.load_latest(state, ckpt_dir) if ckpt_dir else None) or 0
+    if rank == 0:
+        print(f"model: {sum(p.numel() for p in model.parameters())} parameters, world size {world}, "
+              f"plain DDP, starting at step {start}", flush=True)
+    meter = Throughput(args, rank, world)
+    loss = torch.tensor(float("nan"))
+    for step in range(start, args.steps):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(args, ddp, step, rank, world)
+        opt.step()
+        done = step + 1
+        after_step(args, done, loss, meter, state, ckpt_dir)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+    print_end(args, loss, meter, model, opt)
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     # The DDP bucket layout must not depend on where the run started (see ElasticTrainer).
     warnings.filterwarnings("ignore", message=".*find_unused_parameters=True.*")
+    if args.plain_ddp:
+        return plain_main(args)
 
     # Build everything before joining: a hot spare waits in rt.start() with its model built.
     rt = runtime.Runtime.from_env()
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
-    model = TinyGPT(args.vocab, args.d_model, args.n_layers, args.n_heads, args.context, args.dropout)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    model, opt = build(args)  # identical initial weights on every rank
     rt.start()  # a spare blocks here until promoted
     world, rank = rt.world_size, rt.rank
     if rank == 0:
@@ -225,22 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     if trainer.resume_from_checkpoint(ckpt_dir) and not trainer.received_state:
         rt.log.info("resumed at step %d from %s", trainer.step, ckpt_dir)
 
+    meter = Throughput(args, rank, world)
+
     def train_step(step: int, ddp_model: nn.Module) -> torch.Tensor:
-        # Per-rank randomness (dropout) is a function of (seed, rank, step), so a
-        # spare that takes over a rank draws exactly what the lost rank would have.
-        torch.manual_seed(args.seed * 7919 + rank * 104_729 + step)
-        x, y = batch(args.seed, step, rank, world, args.batch_size, args.context, args.vocab)
-        loss = F.cross_entropy(ddp_model(x).reshape(-1, args.vocab), y.reshape(-1))
-        loss.backward()  # DDP all-reduces the gradients here: the commit point
-        return loss
+        return loss_of(args, ddp_model, step, rank, world)  # backward is the commit point
 
     def on_commit(done: int, loss: torch.Tensor) -> None:
-        if done % args.log_every == 0 or done == args.steps:
-            mean = mean_over_ranks(loss, world)
-            if rank == 0:
-                print(f"step={done} loss={mean:.4f}", flush=True)
-        if ckpt_dir and args.ckpt_every and done % args.ckpt_every == 0:
-            checkpoint.save(state, ckpt_dir, done, keep=args.ckpt_keep)
+        after_step(args, done, loss, meter, state, ckpt_dir)
         if args.fail_at_step is not None and done == args.fail_at_step:
             rt.log.warning("fault injection: exiting at step %d", done)
             sys.stdout.flush()
@@ -252,10 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if trainer.released:  # this node is being drained; a spare carries on with the state
         rt.close()
         return 0
-    final_loss = mean_over_ranks(loss if loss is not None else torch.tensor(float("nan")), world)
-    if rank == 0:
-        print(f"done step={args.steps} loss={final_loss:.4f} params_sha256={params_sha256(model)} "
-              f"optim_sha256={optim_sha256(opt)}", flush=True)
+    print_end(args, loss if loss is not None else torch.tensor(float("nan")), meter, model, opt)
     trainer.close()
     rt.close()
     return 0
