@@ -1,0 +1,91 @@
+"""The benchmark suite: every comparison on the dockerized cluster, in one run.
+
+    scripts/bench                   (brings the cluster up and down around this)
+    python3 -m benchmarks.suite [--quick] [--only overhead,recovery,completion,transfer]
+
+Runs the parts in :mod:`benchmarks.runs`, writes their results to JSON
+(``benchmarks/results/suite.json``; with ``--only`` the other parts of an
+existing file are kept), prints the markdown tables, writes them into
+docs/benchmarks.md (between its markers) and draws docs/img/bench-*.png.
+Numbers depend on the machine and its load: run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from benchmarks import cluster as c
+from benchmarks import render, runs
+
+PARTS = {"overhead": runs.overhead, "recovery": runs.recovery, "completion": runs.completion,
+         "transfer": runs.transfer}
+DEFAULT_JSON = c.ROOT / "benchmarks" / "results" / "suite.json"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python3 -m benchmarks.suite",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=",".join(PARTS),
+                   help=f"comma-separated parts to run (default all: {','.join(PARTS)})")
+    p.add_argument("--quick", action="store_true",
+                   help="a small model and short runs: checks the suite works (numbers mean little)")
+    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
+    p.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md and docs/img")
+    args = p.parse_args(argv)
+    args.parts = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in args.parts if s not in PARTS]
+    if unknown or not args.parts:
+        p.error(f"--only: unknown part(s) {', '.join(unknown) or '(none given)'}; "
+                f"the parts are {', '.join(PARTS)}")
+    return args
+
+
+def environment(sizing: str) -> dict[str, Any]:
+    torch = c.on("ctl", "python3", "-c", "import torch; print(torch.__version__)").strip()
+    slurm = c.on("ctl", "sinfo", "--version").strip()
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
+            "cpus": os.cpu_count(), "node_torch": torch, "slurm": slurm, "sizing": sizing}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    size = runs.QUICK if args.quick else runs.Sizing()
+    results: dict[str, Any] = {}
+    if args.json.exists() and set(args.parts) != set(PARTS):
+        results = json.loads(args.json.read_text())
+    try:
+        c.wait_idle(timeout=30)
+    except (c.BenchError, OSError) as err:
+        sys.exit(f"the test cluster is not up and idle ({err}); start it with `scripts/cluster up` "
+                 "or run `scripts/bench`")
+    results["environment"] = environment("quick" if args.quick else "default")
+    results["sizing"] = {k: getattr(size, k) for k in size.__dataclass_fields__}
+    began = time.monotonic()
+    for part in args.parts:
+        part_began = time.monotonic()
+        try:
+            results[part] = PARTS[part](size)
+        except c.BenchError as err:
+            sys.exit(f"benchmark part {part!r} failed: {err}")
+        c.progress(f"{part}: done in {time.monotonic() - part_began:.0f} s")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")  # a crash later keeps this part
+    c.progress(f"suite done in {time.monotonic() - began:.0f} s; results in {args.json}")
+    if args.no_doc:
+        print(render.tables(results))
+    else:
+        print(render.render(results))
+        c.progress(f"tables written into {render.DOC}, plots into {render.IMG_DIR}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
