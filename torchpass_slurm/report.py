@@ -125,6 +125,8 @@ RESOLUTION_PHRASES: Mapping[str | None, str] = {
     "fatal": "was fatal",
     None: "is unresolved in the log",
 }
+#: The verbs of those phrases for more than one fault.
+PLURAL_VERBS: Mapping[str, str] = {"was": "were", "is": "are"}
 #: Classes whose summary leaves out the lost steps when none is known (there is nothing to say).
 QUIET_WHEN_UNKNOWN = frozenset({"fatal", None})
 
@@ -603,10 +605,16 @@ def summary_line(summary: Summary) -> str:
     parts = []
     for i, (resolution, totals) in enumerate(summary.by_resolution.items()):
         head = f"{totals.faults} of {summary.faults} {noun}" if i == 0 else str(totals.faults)
-        phrase = RESOLUTION_PHRASES.get(resolution, f"resolved as {resolution}")
-        parts.append(f"{head} {phrase}{_lost_phrase(resolution, totals)}")
+        parts.append(f"{head} {_phrase(resolution, totals.faults)}{_lost_phrase(resolution, totals)}")
     share = summary.share_no_lost_progress or 0.0
     return "; ".join(parts) + f" ({format_percent(share)} with no lost progress)"
+
+
+def _phrase(resolution: str | None, faults: int) -> str:
+    """The resolution's phrase, its verb agreeing with the number of faults (``was`` -> ``were``)."""
+    phrase = RESOLUTION_PHRASES.get(resolution, f"resolved as {resolution}")
+    verb, rest = phrase.split(" ", 1)
+    return f"{PLURAL_VERBS.get(verb, verb)} {rest}" if faults != 1 else phrase
 
 
 def spare_line(spare_faults: int) -> str | None:

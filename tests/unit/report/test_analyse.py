@@ -150,6 +150,11 @@ def test_totals_over_several_jobs(job_log: Any) -> None:
         "1 was fatal (50% with no lost progress)")
 
 
+def test_the_verb_agrees_with_the_number_of_faults(job_log: Any) -> None:
+    reports = [report_of(fatal(job_log("a", "4244"))), report_of(fatal(job_log("b", "4245")))]
+    assert summary_line(summarise(reports)) == "2 of 2 faults were fatal (0% with no lost progress)"
+
+
 @pytest.mark.parametrize(("value", "text"), [(None, "-"), (0.0, "0.00"), (1.255, "1.25"), (12.5, "12.50")])
 def test_format_seconds(value: float | None, text: str) -> None:
     assert format_seconds(value) == text
