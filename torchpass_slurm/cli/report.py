@@ -1,9 +1,10 @@
 """``tp report``: every fault of a job, how it was resolved, and where the recovery time went.
 
-The analysis is :mod:`torchpass_slurm.report` (pure, its docstring states the
-rules); this module finds the run folders (a folder of run folders stands for
-all of them: a fleet), reads the event logs and draws the tables. rich is
-imported only inside functions: ``tp --help`` stays instant.
+The analysis of a job is :mod:`torchpass_slurm.report` (pure, its docstring
+states the rules), the totals over jobs :mod:`torchpass_slurm.report_totals`;
+this module finds the run folders (a folder of run folders stands for all of
+them: a fleet), reads the event logs and draws the tables. rich is imported
+only inside functions: ``tp --help`` stays instant.
 """
 
 from __future__ import annotations
@@ -19,17 +20,12 @@ import click
 
 from torchpass_slurm.cli.app import App, pass_app
 from torchpass_slurm.events import EVENTS_FILE, EventLogError, read_events
-from torchpass_slurm.report import (
-    RULES,
+from torchpass_slurm.report import RULES, JobReport, analyse, format_seconds, format_steps, format_time
+from torchpass_slurm.report_totals import (
     ClassSummary,
-    JobReport,
     Summary,
     Totals,
-    analyse,
     format_percent,
-    format_seconds,
-    format_steps,
-    format_time,
     report_json,
     spare_line,
     summarise,
