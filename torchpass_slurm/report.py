@@ -74,13 +74,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torchpass_slurm import events as ev
 from torchpass_slurm.events import Event
-
-if TYPE_CHECKING:
-    from torchpass_slurm.report_totals import job_json
 
 __all__ = [
     "CLASSES",
@@ -96,7 +93,6 @@ __all__ = [
     "format_steps",
     "format_time",
     "is_detection",
-    "job_json",
 ]
 
 #: Detection kinds (``step_exited`` only with a non-zero exit code).
@@ -511,16 +507,3 @@ def format_steps(steps: int | None) -> str:
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
-
-def __getattr__(name: str) -> Any:
-    """``job_json``, a job's JSON document, from :mod:`torchpass_slurm.report_totals` on first use.
-
-    That module imports this one, so this one cannot import it at the top; a
-    job's analysis and its document still come from one import
-    (``from torchpass_slurm.report import analyse, job_json``).
-    """
-    if name == "job_json":
-        from torchpass_slurm.report_totals import job_json
-
-        return job_json
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
