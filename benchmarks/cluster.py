@@ -112,6 +112,8 @@ class Job:
     ended: float | None = None
     state: str = "PENDING"
     faults: list[dict[str, Any]] = field(default_factory=list)
+    #: (seconds since submission, state) at every change of state seen
+    timeline: list[tuple[float, str]] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:
@@ -218,6 +220,8 @@ def run(job: Job, progress_of: Callable[[Job], int],
     deadline = time.monotonic() + timeout
     while True:
         job.state = job_state(job)
+        if not job.timeline or job.timeline[-1][1] != job.state:
+            job.timeline.append((round(time.monotonic() - job.submitted, 2), job.state))
         if job.state in FINAL_STATES:
             break
         if time.monotonic() > deadline:

@@ -27,7 +27,8 @@ from typing import Any
 
 from benchmarks import cluster as c
 from torchpass_slurm.events import EVENTS_FILE, read_events
-from torchpass_slurm.report import analyse, job_json
+from torchpass_slurm.report import analyse
+from torchpass_slurm.report_totals import job_json
 
 #: The simulated GPU of every node in the pre-emptive run (healthy).
 HEALTHY_GPU = {"index": 0, "uuid": "GPU-0", "temperature_c": 60, "slowdown_c": 88, "shutdown_c": 95,
@@ -157,7 +158,7 @@ def _tp_result(job: c.Job) -> dict[str, Any]:
     report = job_json(analyse(read_events(run_dir / EVENTS_FILE), source=str(run_dir)))
     done = c.DONE_LINE.search(job.output())
     return {"job": job.job_id, "state": job.state, "seconds": round(job.seconds, 2),
-            "injected": job.faults, "faults": report.get("faults", []),
+            "injected": job.faults, "timeline": job.timeline, "faults": report.get("faults", []),
             "params_sha256": done.group(3) if done else None}
 
 
@@ -195,7 +196,7 @@ def _requeue_result(job: c.Job, steps: int) -> dict[str, Any]:
     computed = sum(1 for _ in c.STEP_LINE.finditer(text))
     done = c.DONE_LINE.search(text)
     return {"job": job.job_id, "state": job.state, "seconds": round(job.seconds, 2),
-            "injected": job.faults, "starts_at_steps": starts, "requeues": max(0, len(starts) - 1),
+            "injected": job.faults, "timeline": job.timeline, "starts_at_steps": starts, "requeues": max(0, len(starts) - 1),
             "steps_computed": computed, "recomputed_steps": computed - steps,
             "params_sha256": done.group(3) if done else None}
 
