@@ -306,7 +306,10 @@ def plain_main(args: argparse.Namespace) -> int:
             time.sleep(args.step_sleep)
     print_end(args, loss, meter, model, opt)
     if world > 1:
-        dist.destroy_process_group()
+        # No destroy_process_group(): with gloo it hangs now and then when rank 0,
+        # which hosts the store, is gone first (pytorch/pytorch#75097). A barrier,
+        # then the process ends and the group with it.
+        dist.barrier()
     return 0
 
 
