@@ -84,7 +84,7 @@ FIRST_STEP = "first_step"  # rank 0: the first step of the new epoch committed (
 MIGRATION_DONE = "migration_done"  # supervisor: resolution=live|checkpoint|regroup, lost_steps=, planned=
 HEALTH_WARNING = "health_warning"  # a node's in-job agent saw WARNING/CRITICAL (status=, summary=)
 DRAIN_DEFERRED = "drain_deferred"  # a drained node keeps its ranks until the job ends (reason=, detail=)
-NODE_RELEASED = "node_released"  # a drained node was given back to Slurm (released=true|false)
+NODE_RELEASED = "node_released"  # a drained or lost node left the job (released=true|false, reason=drained|lost)
 LOG_REPAIRED = "log_repaired"  # a torn line before this one was left by a crash
 
 #: Keys every line has; an event's own fields may not use them.

@@ -60,6 +60,9 @@ class Fault:
 
 
 
+#: Fault kinds after which the node itself is not to be trusted (it is taken out of the job).
+NODE_GONE = ("heartbeat_lost", "node_down")
+
 @dataclass
 class Migration:
     """A migration in progress, until its first step (live) or its resume (restart)."""
@@ -168,15 +171,35 @@ class MigrationMixin:
         """The drained node's step has ended: give the node back to Slurm (it becomes DRAINED)."""
         self._releasing.discard(node)
         self._released.add(node)
+        self._shrink_out([node], reason="drained")
+
+    def _release_lost(self: Supervisor, faults: list[Fault]) -> None:
+        """Take nodes that died or went silent out of the allocation.
+
+        The job no longer uses them (a spare took their ranks, or the job
+        restarts from a checkpoint elsewhere); left in it, they would hold the
+        job in COMPLETING at its end until Slurm declared them DOWN
+        (SlurmdTimeout). A rank that only crashed (``step_exited``) leaves a
+        usable node, which an in-place restart may need: it stays.
+        """
+        gone = [f.node for f in faults if f.kind in NODE_GONE]
+        if gone:
+            self._shrink_out(gone, reason="lost")
+
+    def _shrink_out(self: Supervisor, nodes: list[str], *, reason: str) -> None:
+        """Shrink the job to its other nodes; a NODE_RELEASED event per node says how it went."""
         try:
-            keep = [n for n in self.slurm.job(self.job_id).nodes if n != node]
+            keep = [n for n in self.slurm.job(self.job_id).nodes if n not in nodes]
             if keep:
                 self.slurm.shrink_job(self.job_id, keep)
-        except Exception as err:  # the node drains when the job ends instead
-            logger.warning("could not release %s from job %s: %s", node, self.job_id, err)
-            self.events.append(ev.NODE_RELEASED, node=node, released=False, error=str(err))
+        except Exception as err:  # the nodes leave when the job ends instead
+            logger.warning("could not release %s from job %s: %s", ",".join(nodes), self.job_id, err)
+            for node in nodes:
+                self.events.append(ev.NODE_RELEASED, node=node, released=False, reason=reason,
+                                   error=str(err))
             return
-        self.events.append(ev.NODE_RELEASED, node=node, released=True)
+        for node in nodes:
+            self.events.append(ev.NODE_RELEASED, node=node, released=True, reason=reason)
 
     def _restart_on_spares(self: Supervisor, faults: list[Fault]) -> None:
         """Every lost active node's slot to a spare; restart the others from the checkpoint."""

@@ -301,6 +301,8 @@ class Supervisor(MigrationMixin):
                 self._restart_on_spares(lost_active)
         elif fault.kind == "collective_failed":
             self._regroup(fault)  # only a spare was lost: the active ranks still wait for an epoch
+        if self.state not in (RunState.FAILED, RunState.SUCCEEDED):
+            self._release_lost(faults)  # after the recovery has started: it waits for nobody
 
     def _settle(self, first: Fault) -> list[Fault]:
         """Find the cause of a step's error exit: a silent node, else the first to exit.

@@ -146,6 +146,7 @@ class FakeSlurm:
         self.launches: list[Launch] = []
         self.hang_on_stop: set[str] = set()
         self.on_launch: list[Callable[[Launch], None]] = []
+        self.shrinks: list[list[str]] = []  # keep_nodes of every shrink_job()
 
     def set_node(self, name: str, state: str = "ALLOCATED", *flags: str, reason: str | None = None) -> None:
         self.node_states[name] = Node(name, state, frozenset(flags), reason)
@@ -155,6 +156,10 @@ class FakeSlurm:
         if self.error is not None:
             raise self.error
         return Job(job_id, "train", "RUNNING", nodes=tuple(self.job_nodes))
+
+    def shrink_job(self, job_id: int, keep_nodes: Iterable[str]) -> None:
+        self.shrinks.append(list(keep_nodes))
+        self.job_nodes = list(self.shrinks[-1])
 
     def nodes(self, names: Iterable[str] | None = None, *, partition: str | None = None) -> tuple[Node, ...]:
         if self.error is not None:

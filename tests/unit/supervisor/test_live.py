@@ -116,6 +116,11 @@ def test_a_silent_node_migrates_live_to_the_spare_without_relaunching_anyone(
         "resolution": "live", "lost_steps": 0, "recomputed_steps": 1, "failed": ["c2"]}
     assert done.fields["seconds"] == pytest.approx(at_of(h, done) - at_of(h, started))
     assert kinds[-1] == ev.FINISHED and ev.RESTARTED not in kinds
+    # the dead node left the job (else the job's end waits until Slurm declares it DOWN)
+    assert h.slurm.shrinks == [["c1", "c3", "c4"]]
+    (released,) = h.of_kind(ev.NODE_RELEASED)
+    assert released.fields == {"node": "c2", "released": True, "reason": "lost"}
+    assert kinds.index(ev.NODE_RELEASED) > kinds.index(ev.MIGRATION_STARTED)
 
     # RECOVERING from the decision until the first step of epoch 1, then RUNNING again
     recovering = [t for t, s in seen if s == RunState.RECOVERING]

@@ -152,6 +152,7 @@ def test_a_crash_with_no_spare_left_restarts_every_rank_in_place(
     assert (started.fields["mode"], started.fields["failed"]) == ("restart-in-place", ["c2"])
     assert h.of_kind("restarted")[0].fields["in_place"] is True
     assert "failed" not in h.kinds()
+    assert h.slurm.shrinks == [] and "node_released" not in h.kinds()  # a crash leaves the node in the job
 
 
 def test_a_second_fault_uses_the_second_spare(make: Callable[..., Harness]) -> None:
