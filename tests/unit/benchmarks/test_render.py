@@ -37,7 +37,8 @@ RESULTS: dict[str, Any] = {
                  "tp": [{"tokens_per_s": 950.0}, {"tokens_per_s": 1045.0}]},
         "median_tokens_per_s": {"plain": 1050.0, "tp": 997.5},
         "overhead_percent": 5.0,
-        "same_final_weights": True,
+        "same_final_loss": True,
+        "bitwise_equal_within_mode": {"plain": True, "tp": True},
     },
     "recovery": {
         "no_fault": tp_run(40.0, [], 0),
@@ -71,6 +72,7 @@ def test_overhead_table_has_each_run_the_median_and_the_loss() -> None:
     assert rows[2] == ["run 1", "1000", "950", "+5.0 %"]
     assert rows[3] == ["run 2", "1100", "1045", "+5.0 %"]
     assert rows[4] == ["**median**", "**1050**", "**998**", "**+5.0 %**"]
+    assert "Final loss the same in every run" in render.overhead_table(RESULTS["overhead"])[-1]
 
 
 def test_recovery_table_splits_each_fault_and_compares_with_the_fault_free_run() -> None:
