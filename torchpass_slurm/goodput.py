@@ -87,7 +87,7 @@ class GoodputParams:
     ckpt_interval_s: float = 3600.0
     ckpt_write_s: float = 0.0
     restart_overhead_s: float = 300.0
-    live_recovery_s: float = 30.0
+    live_recovery_s: float = 19.0
     live_coverage: float = 0.9
 
     def __post_init__(self) -> None:

@@ -58,7 +58,7 @@ def test_monte_carlo_agrees_with_the_closed_form_within_2_percent(gpus: int,
 
 
 def test_full_coverage_costs_only_the_recovery_and_the_writes() -> None:
-    p = GoodputParams(live_coverage=1.0, ckpt_write_s=36.0)
+    p = GoodputParams(live_coverage=1.0, ckpt_write_s=36.0, live_recovery_s=30.0)
     lam = p.fault_rate_per_s(16384)
     assert ettr(16384, p).ettr == pytest.approx(3600 / 3636 * math.exp(-lam * 30.0))
 
