@@ -95,6 +95,13 @@ def test_completion_sums_steps_per_run_and_unknown_stays_unknown() -> None:
     assert "started 3 times, at steps 0, 20, 60" in text
 
 
+def test_job_time_runs_from_the_first_start_so_the_queue_wait_before_it_does_not_count() -> None:
+    run = {"seconds": 100.0, "timeline": [[0.1, "PENDING"], [4.0, "RUNNING"], [50.0, "PENDING"],
+                                          [60.0, "RUNNING"], [100.0, "COMPLETED"]]}
+    assert render.job_seconds(run) == 96.0  # the wait after a requeue (50-60 s) counts
+    assert render.job_seconds({"seconds": 30.0}) == 30.0
+
+
 def test_transfer_table_gives_each_method_by_size_and_the_ratio_to_raw_tcp() -> None:
     rows = rows_of(render.transfer_table(RESULTS["transfer"]))
     assert rows[0] == ["MB/s", "10 MB", "2 GB"]
