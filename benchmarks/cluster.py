@@ -33,6 +33,8 @@ PLAIN_SCRIPT = "/src/sbatch-examples/tiny_gpt.sbatch"
 
 #: How long one docker exec may take (seconds).
 EXEC_TIMEOUT_S = 600.0
+#: How long ``scripts/cluster up`` may take (it builds the images the first time).
+BUILD_TIMEOUT_S = 2400.0
 #: How long a benchmark job may run before it is cancelled (seconds).
 JOB_TIMEOUT_S = 900.0
 #: How long the nodes may take to come back idle between runs (seconds).
@@ -68,12 +70,26 @@ def on(node: str, *cmd: str, env: Mapping[str, str] | None = None, check: bool =
     return proc.stdout
 
 
-def cluster(*args: str) -> None:
-    """``scripts/cluster ARGS`` (kill, restart, ...)."""
-    proc = subprocess.run([sys.executable, str(CLUSTER_SCRIPT), *args], capture_output=True,
-                          text=True, timeout=EXEC_TIMEOUT_S)
+def cluster(*args: str, show: bool = False) -> None:
+    """``scripts/cluster ARGS`` (kill, restart, up, ...); ``show``: its progress on stderr."""
+    argv = [sys.executable, str(CLUSTER_SCRIPT), *args]
+    if show:  # `up` may build the images first: minutes, with progress lines
+        proc = subprocess.run(argv, stdout=sys.stderr, stderr=sys.stderr, timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise BenchError(f"scripts/cluster {' '.join(args)} exited {proc.returncode}")
+        return
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=EXEC_TIMEOUT_S)
     if proc.returncode != 0:
         raise BenchError(f"scripts/cluster {' '.join(args)}: {proc.stderr.strip()[-400:]}")
+
+
+def cluster_running() -> bool:
+    """The cluster's controller container runs."""
+    proc = subprocess.run(["docker", "ps", "--format", "{{.Names}}"], capture_output=True, text=True,
+                          timeout=EXEC_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise BenchError(f"docker ps failed: {proc.stderr.strip()} (is dockerd running?)")
+    return "torchpass-ctl" in proc.stdout.split()
 
 
 def host_path(shared_path: str) -> Path:

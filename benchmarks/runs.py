@@ -57,6 +57,13 @@ class Sizing:
     transfer_sizes_mb: tuple[int, ...] = (10, 100, 500, 1000, 2000)
     transfer_repeat: int = 2
 
+    def fault_steps(self, failures: int) -> tuple[int, ...]:
+        """``failures`` kill points spread over the completion run, each half a checkpoint
+        interval after a checkpoint (what a restart loses on average)."""
+        spacing = self.completion_steps / failures
+        return tuple(int(spacing * i + spacing / 2) // self.ckpt_every * self.ckpt_every
+                     + self.ckpt_every // 2 for i in range(failures))
+
     def train_args(self, steps: int, *, ckpt_every: int = 0, step_sleep: float = 0.0,
                    log_every: int = 1) -> list[str]:
         """tiny_gpt.py's arguments (log every step: the requeue run counts the steps computed)."""

@@ -1,7 +1,9 @@
 """The benchmark suite: every comparison on the dockerized cluster, in one run.
 
-    scripts/bench                   (brings the cluster up and down around this)
-    python3 -m benchmarks.suite [--quick] [--only overhead,recovery,completion,transfer]
+    scripts/bench [--quick] [--only overhead,recovery,completion,transfer]
+    python3 -m benchmarks.suite ...   (the same; scripts/bench checks the Python environment first)
+
+It starts the dockerized cluster if it is not running, and then takes it down again.
 
 Runs the parts in :mod:`benchmarks.runs`, writes their results to JSON
 (``benchmarks/results/suite.json``; with ``--only`` the other parts of an
@@ -13,9 +15,11 @@ Numbers depend on the machine and its load: run it on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -37,6 +41,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"comma-separated parts to run (default all: {','.join(PARTS)})")
     p.add_argument("--quick", action="store_true",
                    help="a small model and short runs: checks the suite works (numbers mean little)")
+    p.add_argument("--failures", type=int, choices=(1, 2), default=2,
+                   help="node failures in the completion runs (default 2; the cluster has 5 nodes: "
+                        "3 active and one spare per failure)")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
     p.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md and docs/img")
     args = p.parse_args(argv)
@@ -57,15 +64,31 @@ def environment(sizing: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    size = runs.QUICK if args.quick else runs.Sizing()
     results: dict[str, Any] = {}
     if args.json.exists() and set(args.parts) != set(PARTS):
         results = json.loads(args.json.read_text())
     try:
-        c.wait_idle(timeout=30)
+        started = not c.cluster_running()
+        if started:
+            c.progress("the test cluster is not running: starting it (scripts/cluster up)")
+            c.cluster("up", show=True)
+    except (c.BenchError, OSError, subprocess.TimeoutExpired) as err:
+        sys.exit(f"cannot start the test cluster: {err}")
+    try:
+        return run_suite(args, results)
+    finally:
+        if started:
+            c.progress("taking the cluster down again (scripts/cluster down)")
+            c.cluster("down", show=True)
+
+
+def run_suite(args: argparse.Namespace, results: dict[str, Any]) -> int:
+    size = runs.QUICK if args.quick else runs.Sizing()
+    size = dataclasses.replace(size, completion_faults=size.fault_steps(args.failures))
+    try:
+        c.wait_idle(timeout=60)
     except (c.BenchError, OSError) as err:
-        sys.exit(f"the test cluster is not up and idle ({err}); start it with `scripts/cluster up` "
-                 "or run `scripts/bench`")
+        sys.exit(f"the test cluster is not idle ({err}); see `scripts/cluster status`")
     results["environment"] = environment("quick" if args.quick else "default")
     results["sizing"] = {k: getattr(size, k) for k in size.__dataclass_fields__}
     began = time.monotonic()
