@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks import cluster as c
-from torchpass_slurm.events import EVENTS_FILE, read_events
-from torchpass_slurm.report import analyse
+from torchpass_slurm.cli.report import load_report
 from torchpass_slurm.report_totals import job_json
 
 #: The simulated GPU of every node in the pre-emptive run (healthy).
@@ -50,7 +49,7 @@ class Sizing:
     recovery_steps: int = 60
     recovery_fault_at: int = 15
     completion_steps: int = 100
-    completion_faults: tuple[int, ...] = (30, 70)
+    completion_failures: int = 2  # nodes powered off; where: fault_steps()
     ckpt_every: int = 20
     step_sleep: float = 0.3
     model: tuple[int, int] = (256, 4)  # d_model, layers: 3.3 M parameters, 39.7 MB of state
@@ -74,7 +73,7 @@ class Sizing:
 
 
 QUICK = Sizing(overhead_steps=30, overhead_repeats=1, recovery_steps=40, recovery_fault_at=10,
-               completion_steps=50, completion_faults=(15, 35), ckpt_every=10,
+               completion_steps=50, ckpt_every=10,
                model=(128, 2), transfer_sizes_mb=(10, 100), transfer_repeat=1)
 
 
@@ -169,8 +168,7 @@ def _preemptive(args: list[str], at: int) -> dict[str, Any]:
 
 def _tp_result(job: c.Job) -> dict[str, Any]:
     """Job time, outcome and the tp report of a tp job."""
-    run_dir = c.host_path(job.folder)
-    report = job_json(analyse(read_events(run_dir / EVENTS_FILE), source=str(run_dir)))
+    report = job_json(load_report(c.host_path(job.folder)))
     done = c.DONE_LINE.search(job.output())
     return {"job": job.job_id, "state": job.state, "seconds": round(job.seconds, 2),
             "injected": job.faults, "timeline": job.timeline, "faults": report.get("faults", []),
@@ -182,7 +180,7 @@ def _tp_result(job: c.Job) -> dict[str, Any]:
 
 def completion(size: Sizing) -> dict[str, Any]:
     """The same training, F node failures: live migration, checkpoint restart, requeue."""
-    steps, faults = size.completion_steps, size.completion_faults
+    steps, faults = size.completion_steps, size.fault_steps(size.completion_failures)
     args = size.train_args(steps, ckpt_every=size.ckpt_every, step_sleep=size.step_sleep)
     spares = len(faults)
     out: dict[str, Any] = {"train_args": args, "fault_steps": list(faults), "spares": spares}

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_suite(args: argparse.Namespace, results: dict[str, Any]) -> int:
     size = runs.QUICK if args.quick else runs.Sizing()
-    size = dataclasses.replace(size, completion_faults=size.fault_steps(args.failures))
+    size = dataclasses.replace(size, completion_failures=args.failures)
     try:
         c.wait_idle(timeout=60)
     except (c.BenchError, OSError) as err:

@@ -59,9 +59,9 @@ class Fault:
     exit_code: int | None = None
 
 
-
 #: Fault kinds after which the node itself is not to be trusted (it is taken out of the job).
 NODE_GONE = ("heartbeat_lost", "node_down")
+
 
 @dataclass
 class Migration:

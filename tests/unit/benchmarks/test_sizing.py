@@ -17,6 +17,7 @@ def test_faults_strike_half_a_checkpoint_interval_after_a_checkpoint(
     assert all(s % size.ckpt_every == size.ckpt_every // 2 and s < size.completion_steps for s in steps)
 
 
-def test_the_default_sizing_kills_where_its_fault_steps_say() -> None:
+
+def test_the_default_sizing_kills_two_nodes_at_steps_30_and_70() -> None:
     size = runs.Sizing()
-    assert size.completion_faults == size.fault_steps(len(size.completion_faults))
+    assert size.fault_steps(size.completion_failures) == (30, 70)
