@@ -27,7 +27,7 @@ from typing import Any
 
 from benchmarks import cluster as c
 from torchpass_slurm.cli.report import load_report
-from torchpass_slurm.report_totals import job_json
+from torchpass_slurm.analysis.report_totals import job_json
 
 #: The simulated GPU of every node in the pre-emptive run (healthy).
 HEALTHY_GPU = {"index": 0, "uuid": "GPU-0", "temperature_c": 60, "slowdown_c": 88, "shutdown_c": 95,

@@ -38,7 +38,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from torchpass_slurm.runtime import make_tcp_store  # noqa: E402
+from torchpass_slurm.rank.runtime import make_tcp_store  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from torchpass_slurm.transfer import (SocketListener, SocketTransport, TorchTransport,  # noqa: E402
@@ -79,7 +79,7 @@ class Peer:
 
     def __init__(self, rank: int, master: str, port: int) -> None:
         self.rank, self.master = rank, master
-        # no libuv: Debian's torch is built without it (torchpass_slurm.runtime.make_tcp_store)
+        # no libuv: Debian's torch is built without it (torchpass_slurm.rank.runtime.make_tcp_store)
         self.store = make_tcp_store(master, port, is_master=rank == 0, timeout=TIMEOUT)
         self.store.set(f"host{rank}", socket.gethostname() if master != "127.0.0.1" else "127.0.0.1")
         self.peer_host = self.store.get(f"host{1 - rank}").decode()

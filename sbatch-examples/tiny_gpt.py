@@ -17,7 +17,7 @@ with bitwise the same parameters as an uninterrupted one; the last line says
 so: ``done step=<N> loss=<x> params_sha256=<hash>``.
 
 Runs the same under ``tp run`` (torchpass-slurm), plain ``srun`` and
-``torchrun``: the rank comes from :func:`torchpass_slurm.runtime.init`. With a
+``torchrun``: the rank comes from :func:`torchpass_slurm.rank.runtime.init`. With a
 world size of 1 it trains without a process group.
 
     python3 tiny_gpt.py --steps 50 --ckpt-every 10 --ckpt-dir /tmp/ckpt
@@ -36,11 +36,11 @@ import warnings
 from pathlib import Path
 
 try:
-    from torchpass_slurm import checkpoint, runtime
+    from torchpass_slurm.rank import checkpoint, runtime
 except ImportError:  # running from a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from torchpass_slurm import checkpoint, runtime
-from torchpass_slurm.elastic import ElasticTrainer
+    from torchpass_slurm.rank import checkpoint, runtime
+from torchpass_slurm.rank.elastic import ElasticTrainer
 
 import torch
 import torch.nn as nn

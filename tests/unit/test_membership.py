@@ -7,7 +7,7 @@ import json
 import pytest
 
 from torchpass_slurm.errors import ConfigError
-from torchpass_slurm.membership import (
+from torchpass_slurm.supervisor.membership import (
     ROLE_ACTIVE,
     ROLE_FAILED,
     ROLE_SPARE,

@@ -1,6 +1,6 @@
 """``tp goodput``: expected ETTR and lost GPU-hours per day, checkpoint restart
-against live migration, for a few job sizes (the model: torchpass_slurm.goodput;
-the plot: torchpass_slurm.goodput_plot)."""
+against live migration, for a few job sizes (the model: torchpass_slurm.analysis.goodput;
+the plot: torchpass_slurm.analysis.goodput_plot)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from torchpass_slurm.cli.app import App, pass_app
-from torchpass_slurm.goodput import CLUSTER_FAILURES_PER_NODE_DAY, GoodputParams, ettr, simulate
+from torchpass_slurm.analysis.goodput import CLUSTER_FAILURES_PER_NODE_DAY, GoodputParams, ettr, simulate
 
 _D = GoodputParams()
 DEFAULT_GPUS = (1024, 16384, 131072)
@@ -102,7 +102,7 @@ def goodput(app: App, gpus: tuple[int, ...], gpus_per_node: int, cluster: str,
 
 def _plot(params: GoodputParams, path: Path) -> None:
     """Write the plot first (a missing matplotlib fails before any output); progress on stderr."""
-    from torchpass_slurm.goodput_plot import load_matplotlib, log_sizes, write_plot
+    from torchpass_slurm.analysis.goodput_plot import load_matplotlib, log_sizes, write_plot
 
     load_matplotlib()
     sizes = log_sizes()

@@ -1,7 +1,7 @@
 """``tp report``: every fault of a job, how it was resolved, and where the recovery time went.
 
-The analysis of a job is :mod:`torchpass_slurm.report` (pure, its docstring
-states the rules), the totals over jobs :mod:`torchpass_slurm.report_totals`;
+The analysis of a job is :mod:`torchpass_slurm.analysis.report` (pure, its docstring
+states the rules), the totals over jobs :mod:`torchpass_slurm.analysis.report_totals`;
 this module finds the run folders (a folder of run folders stands for all of
 them: a fleet), reads the event logs and draws the tables. rich is imported
 only inside functions: ``tp --help`` stays instant.
@@ -20,8 +20,8 @@ import click
 
 from torchpass_slurm.cli.app import App, pass_app
 from torchpass_slurm.events import EVENTS_FILE, EventLogError, read_events
-from torchpass_slurm.report import RULES, JobReport, analyse, format_seconds, format_steps, format_time
-from torchpass_slurm.report_totals import (
+from torchpass_slurm.analysis.report import RULES, JobReport, analyse, format_seconds, format_steps, format_time
+from torchpass_slurm.analysis.report_totals import (
     ClassSummary,
     Summary,
     Totals,
@@ -31,7 +31,7 @@ from torchpass_slurm.report_totals import (
     summarise,
     summary_line,
 )
-from torchpass_slurm.rundir import RunDirError, find_run_dir, is_run_dir, run_dirs_in
+from torchpass_slurm.analysis.rundir import RunDirError, find_run_dir, is_run_dir, run_dirs_in
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType

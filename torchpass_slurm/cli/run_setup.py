@@ -1,4 +1,4 @@
-"""Assemble a :class:`~torchpass_slurm.supervisor.Supervisor` for ``tp run``.
+"""Assemble a :class:`~torchpass_slurm.supervisor.loop.Supervisor` for ``tp run``.
 
 Kept apart from :mod:`.run` so that ``tp run --help`` imports nothing heavy.
 """
@@ -17,10 +17,10 @@ from torchpass_slurm.control.secret import create_secret, load_secret
 from torchpass_slurm.control.server import ControlServer
 from torchpass_slurm.errors import ConfigError
 from torchpass_slurm.events import EVENTS_FILE, EventLog
-from torchpass_slurm.membership import Membership
+from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.slurm import select_backend
-from torchpass_slurm.supervisor import Supervisor
-from torchpass_slurm.workers import StepLauncher
+from torchpass_slurm.supervisor.loop import Supervisor
+from torchpass_slurm.supervisor.workers import StepLauncher
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def _host_store(host: str) -> Any:
     (MASTER_ADDR) and a lost rank can only be handled by a restart.
     """
     try:
-        from torchpass_slurm.runtime import make_tcp_store
+        from torchpass_slurm.rank.runtime import make_tcp_store
 
         return make_tcp_store("0.0.0.0", 0, is_master=True, timeout=STORE_TIMEOUT)
     except ImportError:

@@ -19,8 +19,8 @@ import click
 from torchpass_slurm.cli.app import App, pass_app
 from torchpass_slurm.cli.poll import poll_until
 from torchpass_slurm.config import SupervisorConfig
-from torchpass_slurm.rundir import find_run_dir
-from torchpass_slurm.status import STATUS_FILE, JobStatus, NodeStatus, read_status
+from torchpass_slurm.analysis.rundir import find_run_dir
+from torchpass_slurm.supervisor.status import STATUS_FILE, JobStatus, NodeStatus, read_status
 
 if TYPE_CHECKING:
     from rich.console import RenderableType

@@ -32,7 +32,7 @@ from torchpass_slurm.config import (
 
 if TYPE_CHECKING:
     from torchpass_slurm.health.run import HealthReport
-    from torchpass_slurm.runtime import Runtime
+    from torchpass_slurm.rank.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from torchpass_slurm.rundir import RunDirError, find_run_dir, run_dir_from_comment, run_dir_of_job
+from torchpass_slurm.analysis.rundir import RunDirError, find_run_dir, run_dir_from_comment, run_dir_of_job
 from torchpass_slurm.slurm import Job
 
 from .conftest import scontrol_job

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from torchpass_slurm.cli.status import compact_ranks, format_age, heartbeat_style, is_stale
-from torchpass_slurm.status import NodeStatus, write_status
+from torchpass_slurm.supervisor.status import NodeStatus, write_status
 
 from .conftest import NOW, job_status, scontrol_job, tp
 

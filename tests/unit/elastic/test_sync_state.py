@@ -27,8 +27,8 @@ def _rank_main(rank: int, port: int, out: str) -> None:
     """One rank, in its own spawned process: build, sync, save what it holds."""
     import torch.distributed as dist
 
-    from torchpass_slurm.elastic import ElasticTrainer
-    from torchpass_slurm.runtime import Runtime
+    from torchpass_slurm.rank.elastic import ElasticTrainer
+    from torchpass_slurm.rank.runtime import Runtime
 
     env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     os.environ.update(env)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.unit.cli.conftest import tp
-from torchpass_slurm.goodput import GoodputParams, ettr, ettr_first_order, simulate
-from torchpass_slurm.goodput_plot import log_sizes
+from torchpass_slurm.analysis.goodput import GoodputParams, ettr, ettr_first_order, simulate
+from torchpass_slurm.analysis.goodput_plot import log_sizes
 
 CR = GoodputParams().checkpoint_restart()
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from torchpass_slurm.report import Phases
-from torchpass_slurm.report_totals import ClassSummary, Totals, summarise, summary_line
+from torchpass_slurm.analysis.report import Phases
+from torchpass_slurm.analysis.report_totals import ClassSummary, Totals, summarise, summary_line
 
 from .conftest import ECC, NO_MIGRATION, PRE_EMPTIVE, T0, every_class
 from .test_analyse import report_of

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torchpass_slurm import checkpoint  # noqa: E402
+from torchpass_slurm.rank import checkpoint  # noqa: E402
 from torchpass_slurm.errors import CheckpointError  # noqa: E402
 
 

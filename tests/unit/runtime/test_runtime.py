@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from torchpass_slurm import runtime
+from torchpass_slurm.rank import runtime
 from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.control import messages as m
 from torchpass_slurm.errors import ConfigError, ControlPlaneError
@@ -235,13 +235,13 @@ def test_malformed_promote_is_a_control_plane_error() -> None:
 def test_log_lines_carry_job_rank_epoch_step(caplog: pytest.LogCaptureFixture) -> None:
     rt = runtime.init({"RANK": "1", "WORLD_SIZE": "2", "SLURM_JOB_ID": "9"})
     rt.report_step(12)
-    with caplog.at_level("INFO", logger="torchpass_slurm.runtime"):
+    with caplog.at_level("INFO", logger="torchpass_slurm.rank.runtime"):
         rt.log.info("hello")
     assert "[9/1/0/12] hello" in caplog.text
 
 
 def test_modules_import_without_torch_or_zmq() -> None:
-    code = ("import sys; import torchpass_slurm.runtime, torchpass_slurm.checkpoint; "
+    code = ("import sys; import torchpass_slurm.rank.runtime, torchpass_slurm.rank.checkpoint; "
             "print(sorted(m for m in ('torch', 'zmq') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

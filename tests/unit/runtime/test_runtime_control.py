@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from torchpass_slurm import runtime  # noqa: E402
+from torchpass_slurm.rank import runtime  # noqa: E402
 from torchpass_slurm.config import SupervisorConfig  # noqa: E402
 from torchpass_slurm.control import ControlServer, create_secret, load_secret  # noqa: E402
 from torchpass_slurm.control.messages import Message  # noqa: E402

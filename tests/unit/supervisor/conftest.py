@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 
 from torchpass_slurm import events as ev
-from torchpass_slurm import migration as migration_mod
-from torchpass_slurm import supervisor as sup_mod
-from torchpass_slurm import workers as workers_mod
+from torchpass_slurm.supervisor import recovery as migration_mod
+from torchpass_slurm.supervisor import loop as sup_mod
+from torchpass_slurm.supervisor import workers as workers_mod
 from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.control import messages as msg
-from torchpass_slurm.membership import Membership
-from torchpass_slurm.status import JobStatus, read_status
-from torchpass_slurm.supervisor import RunResult, Supervisor
+from torchpass_slurm.supervisor.membership import Membership
+from torchpass_slurm.supervisor.status import JobStatus, read_status
+from torchpass_slurm.supervisor.loop import RunResult, Supervisor
 
 from .fakes import FakeLauncher, FakeServer, FakeSlurm, VirtualClock, World
 

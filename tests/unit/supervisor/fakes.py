@@ -1,7 +1,7 @@
 """Fakes for the supervisor's unit tests: a virtual clock, srun processes, Slurm, the control plane.
 
-The real :class:`~torchpass_slurm.supervisor.Supervisor` and the real
-:class:`~torchpass_slurm.workers.StepLauncher` run unchanged against them::
+The real :class:`~torchpass_slurm.supervisor.loop.Supervisor` and the real
+:class:`~torchpass_slurm.supervisor.workers.StepLauncher` run unchanged against them::
 
     Supervisor ──launch──► StepLauncher ──launch_step──► FakeSlurm ──► FakeProcess
         │   ▲                                                │  (the test decides when it exits)
@@ -33,7 +33,7 @@ from torchpass_slurm.control import messages as msg
 from torchpass_slurm.control.messages import Message, encode
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.slurm.models import Job, Node
-from torchpass_slurm.workers import StepLauncher, WorkerStep
+from torchpass_slurm.supervisor.workers import StepLauncher, WorkerStep
 
 #: Any key will do: the fake server encodes every message only to check its kind and body.
 SECRET = b"k" * 32

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torchpass_slurm.control import messages as msg
-from torchpass_slurm.supervisor import RunState
-from torchpass_slurm.workers import WorkerState
+from torchpass_slurm.supervisor.loop import RunState
+from torchpass_slurm.supervisor.workers import WorkerState
 
 from .conftest import CONFIG, Harness
 

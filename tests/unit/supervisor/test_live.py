@@ -16,8 +16,8 @@ import pytest
 
 from torchpass_slurm import events as ev
 from torchpass_slurm.control import messages as msg
-from torchpass_slurm.supervisor import RunState, Supervisor
-from torchpass_slurm.workers import master_port
+from torchpass_slurm.supervisor.loop import RunState, Supervisor
+from torchpass_slurm.supervisor.workers import master_port
 
 from .conftest import CONFIG, JOB_ID, Harness
 from .fakes import GLOO_RESET, ElasticRanks

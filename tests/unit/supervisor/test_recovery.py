@@ -9,8 +9,8 @@ import pytest
 
 from torchpass_slurm import config as cfg
 from torchpass_slurm.control import messages as msg
-from torchpass_slurm.supervisor import RunState
-from torchpass_slurm.workers import master_port
+from torchpass_slurm.supervisor.loop import RunState
+from torchpass_slurm.supervisor.workers import master_port
 
 from .conftest import CONFIG, JOB_ID, Harness
 

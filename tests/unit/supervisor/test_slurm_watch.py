@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from torchpass_slurm.errors import SlurmCommandError
-from torchpass_slurm.supervisor import RunState
+from torchpass_slurm.supervisor.loop import RunState
 
 from .conftest import CONFIG, Harness
 
@@ -83,7 +83,7 @@ def test_a_failing_watcher_does_not_kill_the_job(make: Callable[..., Harness],
     h = make(active=3, spares=1)
     h.slurm.error = SlurmCommandError(["squeue", "--json"], 1, "slurm_load_jobs error: Socket timed out")
 
-    with caplog.at_level(logging.WARNING, logger="torchpass_slurm.supervisor"):
+    with caplog.at_level(logging.WARNING, logger="torchpass_slurm.supervisor.loop"):
         result = h.run()
 
     assert (result.state, result.exit_code, result.restarts) == (RunState.SUCCEEDED, 0, 0)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from torchpass_slurm.checkpoint import RNGState
+from torchpass_slurm.rank.checkpoint import RNGState
 from torchpass_slurm.transfer import stream
 from torchpass_slurm.transfer.chunks import byte_view, pack_header, recv_ints
 from torchpass_slurm.transfer.manifest import build_manifest

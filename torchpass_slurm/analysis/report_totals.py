@@ -1,12 +1,12 @@
 """Totals over the faults of one or more jobs, and the forms ``tp report`` prints.
 
-Pure: :func:`summarise` totals the :class:`~torchpass_slurm.report.JobReport`
+Pure: :func:`summarise` totals the :class:`~torchpass_slurm.analysis.report.JobReport`
 of each job per resolution, per fault class and over all; :func:`summary_line`
 and :func:`spare_line` say it in a line; :func:`job_json`, :func:`report_json`
 and :func:`summary_json` are the machine forms (``tp report --json``). How a
 fault, its class and its recovery are read from the log, and how steps are
 totalled (each recovery once, in the class of its first fault), are the rules
-of :mod:`torchpass_slurm.report`. Nothing here reads files or imports rich.
+of :mod:`torchpass_slurm.analysis.report`. Nothing here reads files or imports rich.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torchpass_slurm.report import CLASSES, RESOLUTIONS, Fault, JobReport
+from torchpass_slurm.analysis.report import CLASSES, RESOLUTIONS, Fault, JobReport
 
 __all__ = [
     "ClassSummary",

@@ -1,7 +1,7 @@
 """Where a rank sits in the job: its role and torch.distributed coordinates (pure).
 
 Read from the environment contract (``docs/design/runtime-contract.md``) or
-from a spare's promote message; :mod:`torchpass_slurm.runtime` uses these.
+from a spare's promote message; :mod:`torchpass_slurm.rank.runtime` uses these.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``tp goodput --plot``: expected ETTR and lost GPU-hours per day against job
 size, checkpoint restart against live migration.
 
-The numbers come from :mod:`torchpass_slurm.goodput`; this module only draws
+The numbers come from :mod:`torchpass_slurm.analysis.goodput`; this module only draws
 them. matplotlib (the ``bench`` extra) is imported inside :func:`write_plot`,
 through its object API and the Agg canvas: no pyplot, no global backend, and
 ``tp --help`` never loads it.
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from torchpass_slurm.errors import TorchpassError
-from torchpass_slurm.goodput import GoodputParams, ettr
+from torchpass_slurm.analysis.goodput import GoodputParams, ettr
 
 #: The study's checkpoint-restart examples: (GPUs, checkpoint interval in s, published ETTR).
 PUBLISHED = ((16384, 3600.0, 0.70), (16384, 300.0, 0.93))

@@ -3,7 +3,7 @@
 It runs in the batch step, on the batch host, and owns the job's control
 plane. One ``srun --no-kill`` step per node runs the user's command: active
 nodes hold the ranks, spare nodes run the same command in standby (imports
-done, waiting in :func:`torchpass_slurm.runtime.init`).
+done, waiting in :func:`torchpass_slurm.rank.runtime.init`).
 
 The monitor loop is a branch over :class:`RunState`::
 
@@ -20,7 +20,7 @@ ranks stopped sending heartbeats, Slurm reports the node DOWN / FAIL /
 NOT_RESPONDING or no longer lists it in the job, or a rank reports a failed
 collective (then the settle window finds the culprit). Recovery is a live
 migration when every surviving rank runs the elastic loop
-(:mod:`torchpass_slurm.elastic`): the spare takes the lost node's logical
+(:mod:`torchpass_slurm.rank.elastic`): the spare takes the lost node's logical
 ranks, the survivors rebuild their process group in place and a replica sends
 the spare the state (docs/protocol.md, "Recovery"). Otherwise, or with
 ``--recovery restart``, it is an in-allocation restart: the other steps are
@@ -42,13 +42,13 @@ from torchpass_slurm import events as ev
 from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.control.server import ControlServer
-from torchpass_slurm.migration import POLL_SLICE, Fault, Migration, MigrationMixin, RunState
+from torchpass_slurm.supervisor.recovery import POLL_SLICE, Fault, Migration, MigrationMixin, RunState
 from torchpass_slurm.errors import ControlPlaneError, TorchpassError
-from torchpass_slurm.membership import Membership
+from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.slurm.models import Node
-from torchpass_slurm.status import JobStatus, NodeStatus, write_status
-from torchpass_slurm.workers import StepLauncher, WorkerState, WorkerStep
+from torchpass_slurm.supervisor.status import JobStatus, NodeStatus, write_status
+from torchpass_slurm.supervisor.workers import StepLauncher, WorkerState, WorkerStep
 
 logger = logging.getLogger(__name__)
 

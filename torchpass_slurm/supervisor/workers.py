@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torchpass_slurm import config as cfg
-from torchpass_slurm.membership import Membership
+from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.slurm import SlurmBackend
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ Pure: :func:`analyse` turns a list of :class:`~torchpass_slurm.events.Event`
 into a :class:`JobReport`: its faults, each with its class, its recovery's
 resolution and steps, and the recovery-time split (:class:`Phases`); the
 ``format_*`` functions give a fault's cells. The totals over jobs, the summary
-line and the JSON documents are in :mod:`torchpass_slurm.report_totals`.
+line and the JSON documents are in :mod:`torchpass_slurm.analysis.report_totals`.
 Nothing here reads files or imports rich (the command in
 :mod:`torchpass_slurm.cli.report` does).
 

@@ -1,9 +1,9 @@
 """The in-rank runtime: what a training process calls to join a torchpass job.
 
 At the top of the training script (with the elastic loop of
-:mod:`torchpass_slurm.elastic`, which calls the rest)::
+:mod:`torchpass_slurm.rank.elastic`, which calls the rest)::
 
-    from torchpass_slurm import runtime
+    from torchpass_slurm.rank import runtime
     rt = runtime.Runtime.from_env()      # connect; never blocks
     model, optimizer = build()           # a hot spare builds before it waits
     rt.start()                           # a spare blocks here until promoted
@@ -55,7 +55,7 @@ from torchpass_slurm.config import (
     SupervisorConfig,
 )
 from torchpass_slurm.errors import ConfigError, ControlPlaneError
-from torchpass_slurm.rankinfo import (
+from torchpass_slurm.rank.rankinfo import (
     RankInfo,
     Role,
     _int,

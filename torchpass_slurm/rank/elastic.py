@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from torchpass_slurm.runtime import Runtime
+from torchpass_slurm.rank.runtime import Runtime
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +60,7 @@ _COMM_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "closed",
 
 def is_comm_error(exc: BaseException) -> bool:
     """True when ``exc`` looks like a failed collective (a peer died), not a user bug."""
-    from torchpass_slurm.runtime import RendezvousTimeout
+    from torchpass_slurm.rank.runtime import RendezvousTimeout
     from torchpass_slurm.transfer.errors import TransferError
 
     if isinstance(exc, (TransferError, RendezvousTimeout)):
@@ -132,7 +132,7 @@ class ElasticTrainer:
 
     def resume_from_checkpoint(self, directory: Any) -> int:
         """Load the newest checkpoint unless the state came live from a replica; the step."""
-        from torchpass_slurm import checkpoint
+        from torchpass_slurm.rank import checkpoint
 
         if self.received_state or directory is None:
             return self.step

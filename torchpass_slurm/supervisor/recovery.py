@@ -1,7 +1,7 @@
 """How the supervisor recovers: live migration, planned migration, restart.
 
 :class:`MigrationMixin` holds the recovery actions of
-:class:`~torchpass_slurm.supervisor.Supervisor`; the supervisor's loop
+:class:`~torchpass_slurm.supervisor.loop.Supervisor`; the supervisor's loop
 (detection, settle, the end of the job) decides when they run. See
 ``docs/protocol.md`` ("Recovery") for the messages and the rank side.
 
@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from torchpass_slurm import events as ev
 from torchpass_slurm.control import messages as msg
-from torchpass_slurm.membership import NoSpareError
-from torchpass_slurm.workers import WorkerState, master_port
+from torchpass_slurm.supervisor.membership import NoSpareError
+from torchpass_slurm.supervisor.workers import WorkerState, master_port
 
 if TYPE_CHECKING:
-    from torchpass_slurm.supervisor import Supervisor
+    from torchpass_slurm.supervisor.loop import Supervisor
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from torchpass_slurm.errors import TorchpassError
 from torchpass_slurm.events import EVENTS_FILE
-from torchpass_slurm.status import STATUS_FILE
+from torchpass_slurm.supervisor.status import STATUS_FILE
 from torchpass_slurm.submit import RUN_DIR_COMMENT_PREFIX
 
 if TYPE_CHECKING:
