@@ -1,0 +1,139 @@
+"""What tp-submit looks at on this node, to refuse a job before anything is submitted.
+
+The batch script must be readable and run by a POSIX shell found here, a
+command must exist here, the run dir must be new or empty, and N+S nodes must
+fit into the partition. Each check raises :class:`~torchpass_slurm.errors.SubmitError`
+saying what it saw and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+from torchpass_slurm.errors import SubmitError
+from torchpass_slurm.submit.batch_script import BatchScript, parse_batch_script
+from torchpass_slurm.submit.render import plural
+from torchpass_slurm.submit.spec import JobSpec, absolute_path
+
+__all__ = [
+    "POSIX_SHELLS",
+    "check_command",
+    "check_partition_fits",
+    "check_run_dir",
+    "check_script_interpreter",
+    "read_batch_script",
+]
+
+#: Interpreters the rendered script may keep: it starts with ``export`` lines.
+POSIX_SHELLS = frozenset({"sh", "bash", "dash", "ksh", "mksh", "zsh", "ash", "busybox"})
+
+
+def read_batch_script(path: str, cwd: str) -> BatchScript:
+    """Read and parse the user's script; a missing or unreadable one is a SubmitError."""
+    full = absolute_path(path, cwd)
+    try:
+        text = Path(full).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SubmitError(
+            f"the batch script {path} does not exist (looked for {full})",
+            hint="to run a program without a script: tp-submit [OPTIONS] -- COMMAND...",
+        ) from None
+    except IsADirectoryError:
+        raise SubmitError(f"the batch script {path} is a directory, not a file") from None
+    except PermissionError:
+        raise SubmitError(f"the batch script {path} is not readable (permission denied)") from None
+    except UnicodeDecodeError:
+        raise SubmitError(f"the batch script {path} is not UTF-8 text") from None
+    return parse_batch_script(text, path)
+
+
+def _find_program(program: str, search_path: str | None) -> str | None:
+    if "/" in program:
+        return program if os.path.isfile(program) and os.access(program, os.X_OK) else None
+    return shutil.which(program, path=search_path)
+
+
+def check_script_interpreter(script: BatchScript, *, search_path: str | None = None) -> None:
+    """The ``#!`` interpreter exists on this node and is a POSIX shell."""
+    words = script.shebang[2:].split()
+    if not words:
+        raise SubmitError(f"the #! line of {script.source} names no interpreter",
+                          hint="make it e.g. #!/bin/bash")
+    interpreter, program = words[0], words[0]
+    if os.path.basename(interpreter) == "env":
+        rest = [w for w in words[1:] if not w.startswith("-") and "=" not in w]
+        program = rest[0] if rest else ""
+    found = _find_program(interpreter, search_path) and _find_program(program, search_path)
+    if not found:
+        raise SubmitError(
+            f"the interpreter of {script.source} ({script.shebang}) was not found on this node",
+            hint="fix its #! line, e.g. #!/bin/bash",
+        )
+    name = os.path.basename(program)
+    if name not in POSIX_SHELLS:
+        raise SubmitError(
+            f"{script.source} is run by {name} ({script.shebang}), not by a shell; tp-submit "
+            "puts `export` lines in front of it, so it must be a shell script",
+            hint=f"call it from a bash script with `tp run {name} ...`, "
+            f"or use tp-submit [OPTIONS] -- {name} ...",
+        )
+
+
+def check_command(command: Sequence[str], workdir: str, *, search_path: str | None = None) -> None:
+    """Command mode: the program exists here, on PATH or as a path (relative to ``workdir``).
+
+    The job starts with this shell's environment (sbatch's default --export=ALL),
+    so a program that is not found here is almost always a typo or a module not
+    loaded. A program that really exists only on the compute nodes can be
+    started from a batch script (``tp run COMMAND``), which is not checked.
+    """
+    program = command[0]
+    if "/" in program:
+        full = absolute_path(program, workdir)
+        if not os.path.isfile(full):
+            raise SubmitError(f"the command {program} does not exist (looked for {full})")
+        if not os.access(full, os.X_OK):
+            raise SubmitError(f"the command {program} is not executable ({full})",
+                              hint=f"chmod +x {shlex.quote(program)}")
+        return
+    if shutil.which(program, path=search_path) is None:
+        raise SubmitError(
+            f"the command {program!r} was not found on this node's PATH",
+            hint="check the spelling, or load its module before tp-submit (the job starts with "
+            "this environment); a program that exists only on the compute nodes can be started "
+            "from a batch script with `tp run COMMAND`, which tp-submit does not check",
+        )
+
+
+def check_run_dir(run_dir: str) -> None:
+    """The run dir is new or empty: one run dir, one run."""
+    try:
+        taken = any(os.scandir(run_dir))
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        raise SubmitError(f"the run dir {run_dir} exists and is not a directory") from None
+    except PermissionError:
+        raise SubmitError(f"the run dir {run_dir} is not readable (permission denied)") from None
+    if taken:
+        raise SubmitError(f"the run dir {run_dir} already exists and is not empty",
+                          hint="each job needs its own run dir: pick another --run-dir")
+
+
+def check_partition_fits(spec: JobSpec, partition: str | None, node_count: int | None) -> None:
+    """N+S nodes fit into the partition (``node_count`` None: Slurm could not tell).
+
+    Without a partition, ``node_count`` is the whole cluster's: a bound on the default one.
+    """
+    if node_count is None or spec.total_nodes <= node_count:
+        return
+    where = f"partition {partition!r}" if partition else "the cluster"
+    raise SubmitError(
+        f"the job needs {spec.total_nodes} nodes ({spec.nodes} active + "
+        f"{plural(spec.spares, 'hot spare')}), but {where} has only {plural(node_count, 'node')}",
+        hint="lower --spares or -N, or pick a larger partition with -p",
+    )

@@ -1,0 +1,194 @@
+"""JobSpec: every value tp-submit decides about one job, from its command line and script (pure).
+
+Precedence is sbatch's: the command line wins over the script's ``#SBATCH`` /
+``#TP`` lines, and for an option given twice the later one wins.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+
+from torchpass_slurm.errors import SubmitError
+from torchpass_slurm.submit.batch_script import BatchScript
+from torchpass_slurm.submit.command_line import SubmitRequest
+from torchpass_slurm.submit.options import COMMAND_LINE, UNDERSTOOD, Option
+
+__all__ = ["JobSpec", "absolute_path", "resolve_job_spec"]
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything tp-submit decided about one job; the input of the rendering."""
+
+    #: Active nodes N, hot spares S, ranks per node k. sbatch gets N+S nodes.
+    nodes: int
+    spares: int
+    ntasks_per_node: int
+    job_name: str
+    #: Absolute paths on the shared file system.
+    run_dir: str
+    secret_file: str
+    #: What the script or command was given as, for the header ("train.sh", "the command line").
+    source: str
+    #: Script mode: the user's #! line, the rest of the script and its arguments.
+    shebang: str = "#!/bin/bash"
+    body: str = ""
+    script_args: tuple[str, ...] = ()
+    #: Command mode: the command ``tp run`` starts on every node (non-empty in this mode).
+    command: tuple[str, ...] = ()
+    partition: str | None = None
+    #: sbatch's --output as the user gave it; None: ``RUN_DIR/slurm-%j.out``.
+    output: str | None = None
+    chdir: str | None = None
+    #: sbatch's --comment as the user gave it; None: ``torchpass:run_dir=RUN_DIR``.
+    comment: str | None = None
+    #: Options for sbatch that tp-submit does not interpret, as written, in order.
+    sbatch_passthrough: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def total_nodes(self) -> int:
+        return self.nodes + self.spares
+
+
+def _last(options: Sequence[Option], name: str) -> Option | None:
+    for option in reversed(options):
+        if option.name == name:
+            return option
+    return None
+
+
+def _count(option: Option | None, what: str, *, minimum: int) -> int | None:
+    if option is None:
+        return None
+    value = (option.value or "").strip()
+    if not value.isdigit():
+        raise SubmitError(f"{what} must be a whole number, got {option}")
+    if int(value) < minimum:
+        raise SubmitError(f"{what} must be at least {minimum}, got {option}")
+    return int(value)
+
+
+def _node_count(option: Option | None) -> int | None:
+    if option is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", option.value or "")
+    if m is None:
+        raise SubmitError(f"{option}: the node count must be a whole number, not {option.value!r}",
+                          hint="tp needs a fixed number of active nodes, e.g. -N 4")
+    low, high = int(m.group(1)), int(m.group(2) or m.group(1))
+    if low != high:
+        raise SubmitError(
+            f"{option}: a range of node counts ({low} to {high}) is not supported",
+            hint=f"tp needs a fixed number of active nodes: give one number, e.g. -N {high}, "
+            "and add hot spares with --spares",
+        )
+    if low < 1:
+        raise SubmitError(f"{option}: the job needs at least 1 node")
+    return low
+
+
+def _layout(options: Sequence[Option]) -> tuple[int, int]:
+    """(N, k) from -N, -n and --ntasks-per-node; every node runs the same k ranks."""
+    nodes_opt, ntasks_opt, per_node_opt = (
+        _last(options, "nodes"), _last(options, "ntasks"), _last(options, "ntasks-per-node"))
+    nodes = _node_count(nodes_opt)
+    ntasks = _count(ntasks_opt, "the number of tasks", minimum=1)
+    per_node = _count(per_node_opt, "the number of tasks per node", minimum=1)
+    if ntasks is None:
+        return nodes or 1, per_node or 1
+    if nodes is None:
+        if per_node is None:
+            raise SubmitError(f"{ntasks_opt} alone does not say how many nodes the job needs",
+                              hint="give -N/--nodes too (or --ntasks-per-node)")
+        nodes = ntasks // per_node
+        if nodes * per_node != ntasks:
+            raise SubmitError(f"{ntasks_opt} is not a multiple of {per_node_opt}",
+                              hint="tp runs the same number of tasks on every node")
+        return nodes, per_node
+    if per_node is None:
+        if ntasks % nodes:
+            raise SubmitError(f"{ntasks_opt} tasks do not spread evenly over {nodes_opt} nodes",
+                              hint="tp runs the same number of tasks on every node")
+        return nodes, ntasks // nodes
+    if ntasks != nodes * per_node:
+        raise SubmitError(
+            f"conflicting task counts: {ntasks_opt} but {nodes_opt} x {per_node_opt} = {nodes * per_node}",
+            hint="drop -n/--ntasks: tp-submit derives it from -N and --ntasks-per-node",
+        )
+    return nodes, per_node
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "job"
+
+
+def absolute_path(path: str, base: str) -> str:
+    """``path`` (``~`` expanded) made absolute against ``base``, normalized."""
+    return os.path.normpath(os.path.join(base, os.path.expanduser(path)))
+
+
+
+def _refuse_unsupported(options: Sequence[Option]) -> None:
+    for option in options:
+        if option.name == "wrap":
+            raise SubmitError(f"{option}: tp-submit does not take --wrap",
+                              hint="write the command after `--`: tp-submit [OPTIONS] -- COMMAND...")
+        if option.name == "no-kill" and option.value not in (None, ""):
+            raise SubmitError(f"{option}: tp needs --no-kill (a lost node must not end the job)",
+                              hint="remove it; tp-submit always passes --no-kill")
+
+
+def _value(options: Sequence[Option], name: str) -> str | None:
+    option = _last(options, name)
+    return None if option is None else option.value
+
+
+def _run_dir(options: Sequence[Option], job_name: str, *, cwd: str, now: datetime) -> str:
+    """``--run-dir`` (relative to ``cwd``), else ``torchpass-runs/NAME-TIME`` in the job's workdir."""
+    given = _value(options, "run-dir")
+    if given:
+        return absolute_path(given, cwd)
+    chdir = _value(options, "chdir")
+    workdir = absolute_path(chdir, cwd) if chdir else cwd
+    return os.path.join(workdir, "torchpass-runs", f"{_safe_name(job_name)}-{now:%Y%m%d-%H%M%S}")
+
+
+def resolve_job_spec(
+    request: SubmitRequest,
+    script: BatchScript | None,
+    *,
+    cwd: str,
+    now: datetime,
+    secret_subpath: str = ".torchpass/secret",
+) -> JobSpec:
+    """Merge the command line over the script's directives and decide every value (pure).
+
+    ``cwd`` is the directory tp-submit runs in, ``now`` names the default run dir,
+    ``secret_subpath`` is where :func:`~torchpass_slurm.control.secret.create_secret`
+    will put the secret in the run dir.
+    """
+    options = (*(script.directives if script else ()), *request.options)
+    _refuse_unsupported(options)
+    nodes, per_node = _layout(options)
+    spares = _count(_last(options, "spares"), "the number of hot spares", minimum=0) or 0
+    if script is not None:
+        job_name = _value(options, "job-name") or os.path.basename(script.source)
+    else:
+        job_name = _value(options, "job-name") or os.path.basename(request.command[0])
+    run_dir = _run_dir(options, job_name, cwd=cwd, now=now)
+    passthrough = tuple(w for o in options if o.name not in UNDERSTOOD for w in o.tokens)
+    spec = JobSpec(
+        nodes=nodes, spares=spares, ntasks_per_node=per_node, job_name=job_name,
+        run_dir=run_dir, secret_file=os.path.join(run_dir, secret_subpath),
+        source=script.source if script else COMMAND_LINE,
+        partition=_value(options, "partition"), output=_value(options, "output"),
+        chdir=_value(options, "chdir"), comment=_value(options, "comment"),
+        sbatch_passthrough=passthrough,
+    )
+    if script is not None:
+        return replace(spec, shebang=script.shebang, body=script.body, script_args=request.script_args)
+    return replace(spec, command=request.command)
