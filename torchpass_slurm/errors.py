@@ -10,14 +10,26 @@ next, and are rendered once, at the command-line boundary
     ├── ConfigError                exit 2   bad flag value, bad config file
     ├── HostlistError              exit 2   malformed Slurm hostlist
     ├── SubmitError                exit 2   tp-submit refused the job; nothing was submitted
+    ├── RunDirError                exit 1   what the user named is not a run folder, or its job has none
+    ├── StatusError                exit 1   a job's status file is missing or malformed
+    ├── EventLogError              exit 1   the event log could not be written, or read back in full
+    ├── MembershipError            exit 1   a membership change that does not fit the membership
+    │   └── NoSpareError                    an active node failed and no spare is left
     ├── ControlPlaneError          exit 4   the supervisor/worker control plane failed
     │   └── AuthenticationError             a message failed its HMAC or replay check
     ├── CheckpointError            exit 5   a checkpoint could not be written or read
+    ├── TransferError              exit 6   a state transfer failed (peer gone, corrupt data, bad manifest)
+    │   └── TransferTimeout                 one transport call did not finish within its timeout
+    ├── SourceError                exit 3   a health check's device library failed (not the node)
     └── SlurmError                 exit 3   anything that went wrong talking to Slurm
         ├── SlurmCommandError               a command exited non-zero (argv, code, stderr)
         │   └── SlurmTimeoutError           a command ran past its timeout
         ├── SlurmNotFoundError              the command is not installed / not on PATH
         └── SlurmParseError                 output that does not parse as expected
+
+Any other exception reaching the boundary is a bug: the CLI prints one line
+naming the log file that holds its traceback and exits with 70
+(``EXIT_INTERNAL``).
 """
 
 from __future__ import annotations
@@ -29,9 +41,17 @@ __all__ = [
     "ConfigError",
     "HostlistError",
     "SubmitError",
+    "RunDirError",
+    "StatusError",
+    "EventLogError",
+    "MembershipError",
+    "NoSpareError",
     "ControlPlaneError",
     "AuthenticationError",
     "CheckpointError",
+    "TransferError",
+    "TransferTimeout",
+    "SourceError",
     "SlurmError",
     "SlurmCommandError",
     "SlurmTimeoutError",
@@ -78,6 +98,26 @@ class SubmitError(TorchpassError):
     exit_code = 2
 
 
+class RunDirError(TorchpassError):
+    """What the user named is not a run folder, or its job has none."""
+
+
+class StatusError(TorchpassError):
+    """The status file is missing or unreadable."""
+
+
+class EventLogError(TorchpassError):
+    """The event log could not be written, or read back in full."""
+
+
+class MembershipError(TorchpassError):
+    """A membership change or query that does not fit the current membership."""
+
+
+class NoSpareError(MembershipError):
+    """An active node failed and no spare is left to take its place."""
+
+
 class ControlPlaneError(TorchpassError):
     """The authenticated control plane between supervisor and workers failed."""
 
@@ -92,6 +132,31 @@ class CheckpointError(TorchpassError):
     """A checkpoint could not be saved or loaded."""
 
     exit_code = 5
+
+
+class TransferError(TorchpassError):
+    """Moving a training state between two ranks failed.
+
+    A transport that raised is broken: every later call raises ``TransferError``
+    again. Build a new transport (a new connection, or the next epoch's process
+    group) and retry; :class:`~torchpass_slurm.transfer.stream.ReceiveProgress`
+    lets the retry resume where the failed one stopped.
+    """
+
+    exit_code = 6
+
+
+class TransferTimeout(TransferError):
+    """A transport call did not complete within its ``timeout``."""
+
+
+class SourceError(TorchpassError):
+    """The device source itself failed (library missing or broken, init failed, timed out).
+
+    Every GPU check becomes UNKNOWN: the node may be fine, the check is not.
+    """
+
+    exit_code = 3
 
 
 class SlurmError(TorchpassError):

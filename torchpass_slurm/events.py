@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchpass_slurm.errors import TorchpassError
+from torchpass_slurm.errors import EventLogError
 
 __all__ = [
     "SUBMITTED",
@@ -53,7 +53,6 @@ __all__ = [
     "EVENTS_FILE",
     "Event",
     "EventLog",
-    "EventLogError",
     "read_events",
 ]
 
@@ -90,10 +89,6 @@ LOG_REPAIRED = "log_repaired"  # a torn line before this one was left by a crash
 #: Keys every line has; an event's own fields may not use them.
 RESERVED_KEYS = frozenset({"ts", "kind", "job", "epoch"})
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
-
-
-class EventLogError(TorchpassError):
-    """The event log could not be written, or read back in full."""
 
 
 @dataclass(frozen=True)

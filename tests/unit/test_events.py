@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from torchpass_slurm import events as ev
-from torchpass_slurm.events import Event, EventLog, EventLogError, read_events
+from torchpass_slurm.errors import EventLogError
+from torchpass_slurm.events import Event, EventLog, read_events
 
 
 def clock() -> float:

@@ -6,14 +6,12 @@ import json
 
 import pytest
 
-from torchpass_slurm.errors import ConfigError
+from torchpass_slurm.errors import ConfigError, MembershipError, NoSpareError
 from torchpass_slurm.supervisor.membership import (
     ROLE_ACTIVE,
     ROLE_FAILED,
     ROLE_SPARE,
     Membership,
-    MembershipError,
-    NoSpareError,
 )
 
 NODES = ["n1", "n2", "n3", "s1", "s2"]

@@ -20,25 +20,21 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from torchpass_slurm.errors import TorchpassError
+from torchpass_slurm.errors import RunDirError
 from torchpass_slurm.events import EVENTS_FILE
-from torchpass_slurm.supervisor.status import STATUS_FILE
 from torchpass_slurm.submit import RUN_DIR_COMMENT_PREFIX
+from torchpass_slurm.supervisor.status import STATUS_FILE
 
 if TYPE_CHECKING:
     from torchpass_slurm.slurm import Job, SlurmBackend
 
-__all__ = ["RunDirError", "find_run_dir", "is_run_dir", "run_dir_from_comment", "run_dir_of_job",
+__all__ = ["find_run_dir", "is_run_dir", "run_dir_from_comment", "run_dir_of_job",
            "run_dirs_in"]
 
 logger = logging.getLogger(__name__)
 
 #: Files whose presence makes a folder a run folder.
 RUN_DIR_MARKERS = (STATUS_FILE, EVENTS_FILE)
-
-
-class RunDirError(TorchpassError):
-    """What the user named is not a run folder, or its job has none."""
 
 
 def is_run_dir(path: Path) -> bool:

@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING
 
 import click
 
-from torchpass_slurm.cli.app import App, pass_app
-from torchpass_slurm.events import EVENTS_FILE, EventLogError, read_events
 from torchpass_slurm.analysis.report import RULES, JobReport, analyse, format_seconds, format_steps, format_time
 from torchpass_slurm.analysis.report_totals import (
     ClassSummary,
@@ -31,7 +29,10 @@ from torchpass_slurm.analysis.report_totals import (
     summarise,
     summary_line,
 )
-from torchpass_slurm.analysis.rundir import RunDirError, find_run_dir, is_run_dir, run_dirs_in
+from torchpass_slurm.analysis.rundir import find_run_dir, is_run_dir, run_dirs_in
+from torchpass_slurm.cli.app import App, pass_app
+from torchpass_slurm.errors import EventLogError, RunDirError
+from torchpass_slurm.events import EVENTS_FILE, read_events
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType

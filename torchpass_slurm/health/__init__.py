@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from torchpass_slurm.health.checks import CHECKS, CheckResult, Status, run_checks
 from torchpass_slurm.health.config import HealthConfig, load_config, parse_config
-from torchpass_slurm.health.facts import Facts, GpuFacts, HostFacts, SourceError
+from torchpass_slurm.health.facts import Facts, GpuFacts, HostFacts
 from torchpass_slurm.health.run import HealthReport, gather_facts, run_health
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "HealthConfig",
     "HealthReport",
     "HostFacts",
-    "SourceError",
     "Status",
     "gather_facts",
     "load_config",

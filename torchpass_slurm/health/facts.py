@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from torchpass_slurm.errors import TorchpassError
-
 __all__ = [
     "DiskFacts",
     "EccSample",
@@ -24,7 +22,6 @@ __all__ = [
     "GpuFacts",
     "HostFacts",
     "NvlinkCounter",
-    "SourceError",
     "THROTTLE_REASONS",
 ]
 
@@ -40,15 +37,6 @@ THROTTLE_REASONS: Mapping[int, str] = {
     0x80: "hw_power_brake_slowdown",
     0x100: "display_clock_setting",
 }
-
-
-class SourceError(TorchpassError):
-    """The device source itself failed (library missing or broken, init failed, timed out).
-
-    Every GPU check becomes UNKNOWN: the node may be fine, the check is not.
-    """
-
-    exit_code = 3
 
 
 @dataclass(frozen=True)

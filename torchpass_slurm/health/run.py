@@ -25,9 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from torchpass_slurm.errors import SourceError
 from torchpass_slurm.health.checks import CheckResult, Status, run_checks, worst
 from torchpass_slurm.health.config import HealthConfig
-from torchpass_slurm.health.facts import DiskFacts, Facts, GpuFacts, HostFacts, SourceError
+from torchpass_slurm.health.facts import DiskFacts, Facts, GpuFacts, HostFacts
 from torchpass_slurm.health.host import gather_host
 from torchpass_slurm.health.sources import DeviceSource
 from torchpass_slurm.health.state import next_samples, read_samples, write_samples

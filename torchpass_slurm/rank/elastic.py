@@ -61,7 +61,7 @@ _COMM_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "closed",
 def is_comm_error(exc: BaseException) -> bool:
     """True when ``exc`` looks like a failed collective (a peer died), not a user bug."""
     from torchpass_slurm.rank.runtime import RendezvousTimeout
-    from torchpass_slurm.transfer.errors import TransferError
+    from torchpass_slurm.errors import TransferError
 
     if isinstance(exc, (TransferError, RendezvousTimeout)):
         return True

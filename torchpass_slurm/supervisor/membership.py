@@ -33,15 +33,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torchpass_slurm.errors import ConfigError, TorchpassError
+from torchpass_slurm.errors import ConfigError, MembershipError, NoSpareError
 
 __all__ = [
     "ROLE_ACTIVE",
     "ROLE_SPARE",
     "ROLE_FAILED",
     "Membership",
-    "MembershipError",
-    "NoSpareError",
 ]
 
 ROLE_ACTIVE = "active"
@@ -50,14 +48,6 @@ ROLE_FAILED = "failed"
 
 #: Version of the JSON form written by :meth:`Membership.to_json`.
 _JSON_FORMAT = 1
-
-
-class MembershipError(TorchpassError):
-    """A membership change or query that does not fit the current membership."""
-
-
-class NoSpareError(MembershipError):
-    """An active node failed and no spare is left to take its place."""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchpass_slurm import events as ev
 from torchpass_slurm.control import messages as msg
-from torchpass_slurm.supervisor.membership import NoSpareError
+from torchpass_slurm.errors import NoSpareError
 from torchpass_slurm.supervisor.workers import WorkerState, master_port
 
 if TYPE_CHECKING:

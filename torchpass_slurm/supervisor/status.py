@@ -15,14 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchpass_slurm.errors import TorchpassError
+from torchpass_slurm.errors import StatusError
 
 STATUS_FILE = "status.json"
 FORMAT = 1
-
-
-class StatusError(TorchpassError):
-    """The status file is missing or unreadable."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,11 @@ Two layers:
   tuples) without pickle: a JSON manifest, then the tensors' bytes as checksummed
   chunks, pipelined, resumable from another donor, with bad chunks resent.
 
-The wire format and the measured throughputs are in ``docs/design/transfer.md``.
+Failures raise :class:`~torchpass_slurm.errors.TransferError` (a call past its
+timeout: ``TransferTimeout``). A transport that raised is broken: every later
+call raises again. Build a new one and retry; :class:`ReceiveProgress` lets the
+retry resume where the failed one stopped. The wire format and the measured
+throughputs are in ``docs/design/transfer.md``.
 
 Importing this package does not import torch or mpi4py; the names below are
 loaded on first use.
@@ -23,11 +27,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from torchpass_slurm.transfer.errors import TransferError, TransferTimeout
-
 __all__ = [
-    "TransferError",
-    "TransferTimeout",
     "Transport",
     "Handle",
     "TorchTransport",

@@ -13,7 +13,7 @@ import struct
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Sequence
 
-from torchpass_slurm.transfer.errors import TransferError
+from torchpass_slurm.errors import TransferError
 
 if TYPE_CHECKING:
     import torch

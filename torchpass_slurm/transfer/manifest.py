@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from torchpass_slurm.transfer.errors import TransferError
+from torchpass_slurm.errors import TransferError
 
 __all__ = ["Manifest", "TensorEntry", "DIGESTS", "FORMAT", "build_manifest", "materialize", "MAX_CHUNK_BYTES"]
 

@@ -28,7 +28,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
-from torchpass_slurm.transfer.errors import TransferError
+from torchpass_slurm.errors import TransferError
 from torchpass_slurm.transfer.transport import AsyncTransport, Handle, seconds, timeout_error
 
 if TYPE_CHECKING:

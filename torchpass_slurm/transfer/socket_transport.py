@@ -24,7 +24,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from torchpass_slurm.transfer.errors import TransferError
+from torchpass_slurm.errors import TransferError
 from torchpass_slurm.transfer.transport import AsyncTransport, Handle, seconds, timeout_error
 
 if TYPE_CHECKING:

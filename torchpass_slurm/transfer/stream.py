@@ -39,10 +39,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from torchpass_slurm.errors import ConfigError
+from torchpass_slurm.errors import ConfigError, TransferError
 from torchpass_slurm.transfer.chunks import (ChunkMap, pack_header, recv_ints, send_ints,
                                              unpack_header)
-from torchpass_slurm.transfer.errors import TransferError
 from torchpass_slurm.transfer.manifest import DIGESTS, Manifest, build_manifest, materialize
 from torchpass_slurm.transfer.transport import Handle, Transport
 

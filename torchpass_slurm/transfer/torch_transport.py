@@ -24,7 +24,7 @@ import logging
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from torchpass_slurm.transfer.errors import TransferError
+from torchpass_slurm.errors import TransferError
 from torchpass_slurm.transfer.transport import AsyncTransport, Handle, timeout_error
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from abc import ABC, abstractmethod
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable
 
-from torchpass_slurm.transfer.errors import TransferError, TransferTimeout
+from torchpass_slurm.errors import TransferError, TransferTimeout
 
 if TYPE_CHECKING:
     import torch

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchpass_slurm.errors import TransferError, TransferTimeout
 from torchpass_slurm.rank import elastic
 from torchpass_slurm.rank.elastic import ElasticTrainer, is_comm_error
 from torchpass_slurm.rank.runtime import RankInfo, RendezvousTimeout, Role, Runtime, make_tcp_store
-from torchpass_slurm.transfer import TransferError, TransferTimeout
 
 GLOO_RESET = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
                           "Connection closed by peer [10.0.0.2]:41234")

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from torchpass_slurm.errors import ConfigError
+from torchpass_slurm.errors import ConfigError, SourceError
 from torchpass_slurm.health.config import HealthConfig
-from torchpass_slurm.health.facts import NvlinkCounter, SourceError
+from torchpass_slurm.health.facts import NvlinkCounter
 from torchpass_slurm.health.sources import NoGpuSource, select_source
 from torchpass_slurm.health.sources.amdsmi import AmdSmiSource
 from torchpass_slurm.health.sources.nvml import NvmlSource

@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch")
 
 from tests.unit.transfer import peers  # noqa: E402
 from tests.unit.transfer.conftest import Link  # noqa: E402
-from torchpass_slurm.transfer import (ReceiveProgress, TransferError, TransferTimeout,  # noqa: E402
-                                      recv_state)
+from torchpass_slurm.errors import TransferError, TransferTimeout  # noqa: E402
+from torchpass_slurm.transfer import ReceiveProgress, recv_state  # noqa: E402
 
 
 def receive(link: Link, scenario: str = "send", **options: object) -> tuple[dict, object]:

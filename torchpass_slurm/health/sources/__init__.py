@@ -1,7 +1,7 @@
 """Device sources: where GPU facts come from. Each is injectable.
 
 A source has a ``name`` and ``gpus() -> tuple[GpuFacts, ...]``; it raises
-:class:`~torchpass_slurm.health.facts.SourceError` when the library itself is
+:class:`~torchpass_slurm.errors.SourceError` when the library itself is
 missing or broken (every GPU check is then UNKNOWN). Libraries are imported
 inside ``gpus()``, never at module import.
 
@@ -19,9 +19,9 @@ import os
 from types import ModuleType
 from typing import Protocol, runtime_checkable
 
-from torchpass_slurm.errors import ConfigError
+from torchpass_slurm.errors import ConfigError, SourceError
 from torchpass_slurm.health.config import SIMULATE_ENV, HealthConfig
-from torchpass_slurm.health.facts import GpuFacts, SourceError
+from torchpass_slurm.health.facts import GpuFacts
 
 __all__ = ["DeviceSource", "NoGpuSource", "load_library", "select_source"]
 

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeVar
 
-from torchpass_slurm.health.facts import GpuFacts, NvlinkCounter, SourceError
+from torchpass_slurm.errors import SourceError
+from torchpass_slurm.health.facts import GpuFacts, NvlinkCounter
 from torchpass_slurm.health.sources import load_library
 
 logger = logging.getLogger(__name__)

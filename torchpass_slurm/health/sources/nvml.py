@@ -20,7 +20,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeVar
 
-from torchpass_slurm.health.facts import THROTTLE_REASONS, GpuFacts, NvlinkCounter, SourceError
+from torchpass_slurm.errors import SourceError
+from torchpass_slurm.health.facts import THROTTLE_REASONS, GpuFacts, NvlinkCounter
 from torchpass_slurm.health.sources import load_library
 
 logger = logging.getLogger(__name__)

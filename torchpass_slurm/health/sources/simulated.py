@@ -28,7 +28,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from torchpass_slurm.health.facts import GpuFacts, NvlinkCounter, SourceError
+from torchpass_slurm.errors import SourceError
+from torchpass_slurm.health.facts import GpuFacts, NvlinkCounter
 
 logger = logging.getLogger(__name__)
 
