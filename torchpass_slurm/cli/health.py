@@ -9,6 +9,7 @@ moved, else 0.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from torchpass_slurm.health.install import InstallFile
     from torchpass_slurm.health.run import HealthReport
     from torchpass_slurm.slurm import SlurmBackend
+
+logger = logging.getLogger(__name__)
 
 SOURCE_CHOICES = ("auto", "nvml", "amdsmi", "simulated")
 _STYLE = {"OK": "green", "WARNING": "yellow", "CRITICAL": "bold red", "UNKNOWN": "magenta"}
@@ -49,7 +52,7 @@ def notify(message: str) -> None:
 
         syslog.openlog("torchpass", syslog.LOG_PID, syslog.LOG_DAEMON)
         syslog.syslog(syslog.LOG_WARNING, message)
-    except Exception:  # no syslog here: stderr is enough
+    except (ImportError, OSError, ValueError):  # no syslog here (or a NUL in the text): stderr is enough
         pass
 
 
@@ -127,6 +130,10 @@ def _hook(config_path: str | None, source: str | None, node: str | None,
         config, report = _evaluate(config_path, source, node)
     except ConfigError as err:
         notify(f"torchpass: health check not run: {err.message} (node not drained)")
+        raise SystemExit(broken_exit)
+    except Exception as err:  # deliberately broad: a bug in the check must not drain the node or fail a job
+        logger.debug("health check broke", exc_info=True)
+        notify(f"torchpass: health check broke: {type(err).__name__}: {err} (node not drained)")
         raise SystemExit(broken_exit)
     code, message = decide(config, report)
     if message:

@@ -111,7 +111,10 @@ def _device_facts(task: _Bounded[tuple[GpuFacts, ...]], deadline: float, timeout
         return None, f"the device source did not answer within {timeout:g} s (timeout_s)"
     except SourceError as err:
         return None, err.message
-    except Exception as err:  # a source bug or an unguarded library error: the check broke
+    # Deliberately broad: a source bug or a library error the source did not expect
+    # means the check broke, not the node (UNKNOWN, never a crash of the hook). A
+    # library that calls sys.exit() in the device thread arrives here as SystemExit.
+    except (Exception, SystemExit) as err:
         logger.debug("device source failed", exc_info=True)
         return None, f"the device source failed: {type(err).__name__}: {err}"
 
@@ -122,7 +125,7 @@ def _host_facts(task: _Bounded[HostFacts], deadline: float, timeout: float, path
         return task.result(deadline, clock)
     except TimeoutError:
         why = f"did not finish within {timeout:g} s (timeout_s; a hung file system?)"
-    except Exception as err:
+    except Exception as err:  # deliberately broad: gather_host turns OSError into facts, so this is a bug
         why = f"failed: {type(err).__name__}: {err}"
     return HostFacts(error=f"gathering host facts {why}", disks=tuple(DiskFacts(p, error=why) for p in paths))
 

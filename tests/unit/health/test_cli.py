@@ -83,6 +83,19 @@ def test_nvml_raising_nvmlerror_is_unknown_and_never_drains(
     assert slurm.calls == []
 
 
+def test_a_source_that_exits_never_ends_the_prolog(
+        sim: Sim, slurm: FakeSlurm, monkeypatch: pytest.MonkeyPatch) -> None:
+    def exits(self: object) -> None:
+        raise SystemExit(2)  # a device library that calls sys.exit() must not make the prolog exit 2
+
+    monkeypatch.setattr("torchpass_slurm.health.sources.simulated.SimulatedSource.gpus", exits)
+    result = tp("health", "prolog")
+    failed = "no GPU facts: the device source failed: SystemExit: 2"
+    assert result == (0, "", f"torchpass: n1 UNKNOWN: UNKNOWN gpu_count: {failed}; UNKNOWN gpu_ecc_uncorrected: "
+                             f"{failed}; UNKNOWN gpu_ecc_corrected_rate: {failed} (not drained)\n")
+    assert slurm.calls == []
+
+
 def test_prolog_ok_is_quiet(sim: Sim, slurm: FakeSlurm) -> None:
     assert tp("health", "prolog") == (0, "", "")
     assert tp("health", "epilog") == (0, "", "")

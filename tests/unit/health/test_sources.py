@@ -151,8 +151,33 @@ def test_nvml_missing_library(monkeypatch: pytest.MonkeyPatch) -> None:
         NvmlSource().gpus()
 
 
+def test_a_library_exiting_at_import_is_a_source_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def exits(name: str) -> types.ModuleType:
+        raise SystemExit(2)  # as a binding does that calls sys.exit() when its shared library is missing
+
+    monkeypatch.setattr("torchpass_slurm.health.sources.importlib.import_module", exits)
+    with pytest.raises(SourceError, match="amdsmi does not import: SystemExit: 2"):
+        AmdSmiSource().gpus()
+
+
+def test_a_binding_without_its_error_class_is_a_source_error() -> None:
+    nvml = fake_pynvml()
+    del nvml.NVMLError  # type: ignore[attr-defined]
+    with pytest.raises(SourceError, match="pynvml has no exception class NVMLError"):
+        NvmlSource(nvml).gpus()
+
+
+def test_a_bug_in_a_query_is_not_taken_for_an_nvml_error() -> None:
+    nvml = fake_pynvml()
+    nvml.nvmlDeviceGetCount = lambda: "two"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError):
+        NvmlSource(nvml).gpus()
+    assert nvml.shutdowns == [True]  # type: ignore[attr-defined]
+
+
 def test_amdsmi_source() -> None:
     smi = types.ModuleType("amdsmi")
+    smi.AmdSmiException = RuntimeError  # type: ignore[attr-defined]  # what this fake's calls raise
     smi.amdsmi_init = lambda: None  # type: ignore[attr-defined]
     smi.amdsmi_shut_down = lambda: None  # type: ignore[attr-defined]
     smi.amdsmi_get_processor_handles = lambda: ["a0"]  # type: ignore[attr-defined]

@@ -23,7 +23,7 @@ from torchpass_slurm.errors import ConfigError, SourceError
 from torchpass_slurm.health.config import SIMULATE_ENV, HealthConfig
 from torchpass_slurm.health.facts import GpuFacts
 
-__all__ = ["DeviceSource", "NoGpuSource", "load_library", "select_source"]
+__all__ = ["DeviceSource", "NoGpuSource", "library_error", "load_library", "select_source"]
 
 
 @runtime_checkable
@@ -51,8 +51,21 @@ def load_library(module: ModuleType | None, name: str, hint: str) -> ModuleType:
         return module
     try:
         return importlib.import_module(name)
-    except Exception as err:  # ImportError, or a binding whose shared library fails to load
+    # Deliberately broad: a binding can fail at import in any way (ImportError, OSError
+    # from its shared library, even SystemExit from a wrapper that calls sys.exit()).
+    # None of it says the node is bad, and a SystemExit let through would end the
+    # Prolog with the library's status. KeyboardInterrupt still stops the run.
+    except (Exception, SystemExit) as err:
         raise SourceError(f"{name} does not import: {type(err).__name__}: {err}", hint=hint) from None
+
+
+def library_error(module: ModuleType, name: str, attribute: str) -> type[Exception]:
+    """The exception class ``module.attribute`` the library raises; a SourceError when it has none."""
+    error = getattr(module, attribute, None)
+    if isinstance(error, type) and issubclass(error, Exception):
+        return error
+    raise SourceError(f"{name} has no exception class {attribute}: it is not the binding torchpass-slurm "
+                      "knows", hint=f"install the official {name} package")
 
 
 def _importable(module: str) -> bool:

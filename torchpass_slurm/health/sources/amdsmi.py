@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from torchpass_slurm.errors import SourceError
 from torchpass_slurm.health.facts import GpuFacts, NvlinkCounter
-from torchpass_slurm.health.sources import load_library
+from torchpass_slurm.health.sources import library_error, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -52,26 +52,27 @@ class AmdSmiSource:
 
     def gpus(self) -> tuple[GpuFacts, ...]:
         smi = self._load()
+        error = library_error(smi, "amdsmi", "AmdSmiException")  # the base of every AMD SMI error
         try:
             smi.amdsmi_init()
             handles = list(smi.amdsmi_get_processor_handles())
-        except Exception as err:
+        except error as err:
             raise SourceError(f"AMD SMI did not initialise: {_describe(err)}") from None
         try:
-            return tuple(self._gpu(smi, index, h) for index, h in enumerate(handles))
+            return tuple(self._gpu(smi, error, index, h) for index, h in enumerate(handles))
         finally:
             try:
                 smi.amdsmi_shut_down()
-            except Exception as err:
+            except error as err:
                 logger.debug("amdsmi_shut_down: %s", _describe(err))
 
-    def _gpu(self, smi: ModuleType, index: int, h: Any) -> GpuFacts:
+    def _gpu(self, smi: ModuleType, error: type[Exception], index: int, h: Any) -> GpuFacts:
         errors: dict[str, str] = {}
 
         def q(field: str, fn: Callable[..., T], *args: Any) -> T | None:
             try:
                 return fn(*args)
-            except Exception as err:
+            except error as err:
                 if not _not_supported(smi, err):
                     errors.setdefault(field, _describe(err))
                 return None

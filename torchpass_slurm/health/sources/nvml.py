@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from torchpass_slurm.errors import SourceError
 from torchpass_slurm.health.facts import THROTTLE_REASONS, GpuFacts, NvlinkCounter
-from torchpass_slurm.health.sources import load_library
+from torchpass_slurm.health.sources import library_error, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -46,21 +46,21 @@ def describe(err: BaseException) -> str:
 class _Queries:
     """Runs NVML calls for one GPU, sorting failures into lost / not supported / failed."""
 
-    def __init__(self, nvml: ModuleType) -> None:
+    def __init__(self, nvml: ModuleType, error: type[Exception]) -> None:
         self.nvml = nvml
+        #: pynvml's NVMLError: every failed NVML call raises a subclass of it
+        self.error = error
         self.lost = False
         self.errors: dict[str, str] = {}
 
-    def code(self, err: BaseException) -> int | None:
-        error_class = getattr(self.nvml, "NVMLError", None)
-        if error_class is None or not isinstance(err, error_class):
-            return None
+    @staticmethod
+    def code(err: Exception) -> int | None:
         return getattr(err, "value", None)
 
     def __call__(self, field: str, fn: Callable[..., T], *args: Any) -> T | None:
         try:
             return fn(*args)
-        except Exception as err:  # NVMLError, or a binding too old to have fn (AttributeError)
+        except self.error as err:
             code = self.code(err)
             if code == _ERROR_NOT_SUPPORTED:
                 return None
@@ -85,25 +85,26 @@ class NvmlSource:
 
     def gpus(self) -> tuple[GpuFacts, ...]:
         nvml = self._load()
+        error = library_error(nvml, "pynvml", "NVMLError")
         try:
             nvml.nvmlInit()
-        except Exception as err:
+        except error as err:
             raise SourceError(f"NVML did not initialise: {describe(err)}",
                               hint="check the driver (nvidia-smi); a driver/library mismatch needs a reboot") from None
         try:
             try:
                 count = int(nvml.nvmlDeviceGetCount())
-            except Exception as err:
+            except error as err:
                 raise SourceError(f"NVML could not count the GPUs: {describe(err)}") from None
-            return tuple(self._gpu(nvml, index) for index in range(count))
+            return tuple(self._gpu(nvml, error, index) for index in range(count))
         finally:
             try:
                 nvml.nvmlShutdown()
-            except Exception as err:
+            except error as err:
                 logger.debug("nvmlShutdown: %s", describe(err))
 
-    def _gpu(self, nvml: ModuleType, index: int) -> GpuFacts:
-        q = _Queries(nvml)
+    def _gpu(self, nvml: ModuleType, error: type[Exception], index: int) -> GpuFacts:
+        q = _Queries(nvml, error)
         handle = q("handle", nvml.nvmlDeviceGetHandleByIndex, index)
         if handle is None:
             return GpuFacts(index=index, uuid=f"index-{index}", lost=q.lost,
@@ -184,7 +185,7 @@ def _nvlink(q: _Queries, nvml: ModuleType, h: Any) -> tuple[NvlinkCounter, ...] 
     for link in range(_const(nvml, "NVML_NVLINK_MAX_LINKS", _NVLINK_MAX_LINKS)):
         try:
             active = nvml.nvmlDeviceGetNvLinkState(h, link)
-        except Exception as err:
+        except q.error as err:
             if q.code(err) in (_ERROR_NOT_SUPPORTED, _ERROR_INVALID_ARGUMENT):
                 continue  # no such link on this GPU
             q.errors.setdefault("nvlink_errors", describe(err))
