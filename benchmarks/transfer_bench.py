@@ -239,11 +239,9 @@ def run_rank(args: argparse.Namespace, rank: int, master: str) -> None:
 
 
 def _mpi_importable() -> bool:
-    try:
-        from mpi4py import MPI  # noqa: F401
-    except Exception:
-        return False
-    return True
+    from torchpass_slurm.transfer.mpi_transport import mpi_problem
+
+    return mpi_problem() is None
 
 
 def environment(master: str) -> dict[str, Any]:

@@ -82,8 +82,11 @@ def pyslurm_matches(pyslurm: ModuleType, slurm: SlurmVersion) -> bool:
 def _import_pyslurm() -> ModuleType | None:
     try:
         return importlib.import_module("pyslurm")
-    except Exception as err:  # ImportError, or a binary that fails to load
-        logger.debug("pyslurm not usable: %s", err)
+    # Deliberately broad: a compiled binding can fail at import in any way (ImportError,
+    # OSError from libslurm, a check of its own that raises or even calls sys.exit());
+    # every one of them means "use the CLI backend", never "stop tp".
+    except (Exception, SystemExit) as err:
+        logger.debug("pyslurm not usable: %s: %s", type(err).__name__, err)
         return None
 
 

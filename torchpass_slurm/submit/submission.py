@@ -76,7 +76,7 @@ def submit(
         secret = create_secret(Path(run_dir))
         spec = replace(spec, run_dir=run_dir, secret_file=str(secret))
         job_id = submitter.submit_batch(render_batch_script(spec), sbatch_arguments(spec))
-    except BaseException:
+    except BaseException:  # any failure, Ctrl-C included: remove what was created here, then re-raise
         if secret is not None:
             secret.unlink(missing_ok=True)
             _remove_empty(secret.parent)

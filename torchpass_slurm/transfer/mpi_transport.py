@@ -47,8 +47,10 @@ def mpi_problem() -> str | None:
         from mpi4py import MPI  # noqa: F401
     except ImportError as exc:
         return f"mpi4py is not importable ({exc}); pip install mpi4py mpich"
-    except Exception as exc:  # MPI_Init itself failed
-        return f"MPI failed to initialize: {exc}"
+    # Deliberately broad: MPI_Init runs at this import and fails in the MPI library's own
+    # way (RuntimeError for a missing libmpi, MPI.Exception, ...); saying why is this function's job.
+    except Exception as exc:
+        return f"MPI failed to initialize: {type(exc).__name__}: {exc}"
     return None
 
 
@@ -140,18 +142,21 @@ class MPITransport(AsyncTransport):
             return
         try:
             comm.Disconnect()
-        except Exception as exc:  # pragma: no cover - depends on the MPI library
+        except _mpi().Exception as exc:  # pragma: no cover - depends on the MPI library
             logger.debug("MPI Disconnect failed: %s", exc)
 
 
 def _blocking_within(call: Callable[[], Any], timeout: timedelta, what: str) -> Any:
-    """Run a blocking MPI call on a helper thread; TransferTimeout if it does not return in time."""
+    """Run a blocking MPI call on a helper thread; TransferTimeout if it does not return in time.
+
+    An MPI error becomes a TransferError; anything else the call raised is raised as it is.
+    """
     result: dict[str, Any] = {}
 
     def run() -> None:
         try:
             result["value"] = call()
-        except BaseException as exc:  # handed to the caller below
+        except BaseException as exc:  # handed to the caller below, never lost in the thread
             result["error"] = exc
 
     thread = threading.Thread(target=run, name=f"tp-mpi-{what}", daemon=True)
@@ -159,6 +164,9 @@ def _blocking_within(call: Callable[[], Any], timeout: timedelta, what: str) -> 
     thread.join(seconds(timeout))
     if thread.is_alive():
         raise timeout_error("mpi", what, 0, timeout, "the peer did not show up; the MPI call is abandoned")
-    if "error" in result:
-        raise TransferError(f"mpi: {what} failed: {str(result['error']).splitlines()[0]}") from result["error"]
+    error = result.get("error")
+    if isinstance(error, _mpi().Exception):
+        raise TransferError(f"mpi: {what} failed: {(str(error) or type(error).__name__).splitlines()[0]}") from error
+    if error is not None:
+        raise error
     return result["value"]

@@ -53,7 +53,7 @@ def _connect_tuned(host: str, port: int, timeout_s: float) -> socket.socket:
         _tune(sock)
         sock.settimeout(timeout_s)
         sock.connect(addr)
-    except BaseException:
+    except BaseException:  # close the socket on any failure, then re-raise it unchanged
         sock.close()
         raise
     return sock

@@ -74,7 +74,7 @@ class TorchTransport(AsyncTransport):
                                 f"(this rank is {group.rank()})")
         try:
             self.name = f"torch-{group.name()}"
-        except Exception:  # pragma: no cover - name() exists on every backend we use
+        except (AttributeError, RuntimeError):  # pragma: no cover - name() exists on every backend we use
             pass
 
     def translate(self, exc: RuntimeError, op: str, nbytes: int, timeout: timedelta) -> TransferError:
