@@ -25,9 +25,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks import cluster as c
-from torchpass_slurm.cli.report import load_report
+from benchmarks import jobs
+from scripts.devcluster import COMPUTE
 from torchpass_slurm.analysis.report_totals import job_json
+from torchpass_slurm.cli.report import load_report
 
 #: The simulated GPU of every node in the pre-emptive run (healthy).
 HEALTHY_GPU = {"index": 0, "uuid": "GPU-0", "temperature_c": 60, "slowdown_c": 88, "shutdown_c": 95,
@@ -86,11 +87,11 @@ def overhead(size: Sizing) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {"plain": [], "tp": []}
     for i in range(size.overhead_repeats):
         for name in ("plain", "tp"):
-            c.wait_idle()
-            c.progress(f"overhead: {name} run {i + 1}/{size.overhead_repeats} "
+            jobs.wait_idle()
+            jobs.progress(f"overhead: {name} run {i + 1}/{size.overhead_repeats} "
                        f"({size.overhead_steps} steps)")
-            job = (c.submit_plain(args) if name == "plain" else c.submit_tp(args, spares=1))
-            c.run(job, c.plain_progress if name == "plain" else c.tp_progress)
+            job = (jobs.submit_plain(args) if name == "plain" else jobs.submit_tp(args, spares=1))
+            jobs.run(job, jobs.plain_progress if name == "plain" else jobs.tp_progress)
             runs[name].append(_throughput(job))
     median = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in runs.items()}
     losses = {r["final_loss"] for rs in runs.values() for r in rs}
@@ -105,12 +106,12 @@ def overhead(size: Sizing) -> dict[str, Any]:
     }
 
 
-def _throughput(job: c.Job) -> dict[str, Any]:
+def _throughput(job: jobs.Job) -> dict[str, Any]:
     out = job.output()
-    tput, done = c.THROUGHPUT_LINE.search(out), c.DONE_LINE.search(out)
+    tput, done = jobs.THROUGHPUT_LINE.search(out), jobs.DONE_LINE.search(out)
     if job.state != "COMPLETED" or not tput or not done:
-        raise c.BenchError(f"job {job.job_id} ended {job.state} without its throughput line; "
-                           f"the end of its output:\n{out[-1500:]}")
+        raise jobs.BenchError(f"job {job.job_id} ended {job.state} without its throughput line; "
+                              f"the end of its output:\n{out[-1500:]}")
     return {"job": job.job_id, "job_seconds": round(job.seconds, 2), "steps": int(tput.group(1)),
             "seconds": float(tput.group(2)), "tokens_per_s": float(tput.group(3)),
             "final_loss": done.group(2), "params_sha256": done.group(3)}
@@ -124,52 +125,55 @@ def recovery(size: Sizing) -> dict[str, Any]:
     args = size.train_args(size.recovery_steps, ckpt_every=size.ckpt_every, step_sleep=size.step_sleep)
     at = size.recovery_fault_at
     out: dict[str, Any] = {"train_args": args, "fault_at_step": at}
-    c.wait_idle()
-    c.progress("recovery: fault-free run")
-    out["no_fault"] = _tp_result(c.run(c.submit_tp(args), c.tp_progress))
+    jobs.wait_idle()
+    jobs.progress("recovery: fault-free run")
+    out["no_fault"] = _tp_result(jobs.run(jobs.submit_tp(args), jobs.tp_progress))
     for key, env in (("unplanned", None),
                      (UNPLANNED_SHORT, {"TORCHPASS_COLLECTIVE_TIMEOUT": str(SHORT_COLLECTIVE_TIMEOUT_S)})):
-        c.wait_idle()
-        c.progress(f"recovery: {key} (a node powered off)")
-        job = c.run(c.submit_tp(args, env=env), c.tp_progress, [(at, c.kill_node(c.tp_victim))])
+        jobs.wait_idle()
+        jobs.progress(f"recovery: {key} (a node powered off)")
+        job = jobs.run(jobs.submit_tp(args, env=env), jobs.tp_progress,
+                       [(at, jobs.kill_node(jobs.tp_victim))])
         out[key] = _tp_result(job)
-        c.restart_nodes([f["node"] for f in job.faults])
-    c.progress("recovery: pre-emptive (rising ECC counts on a simulated GPU)")
+        jobs.restart_nodes([f["node"] for f in job.faults])
+    jobs.progress("recovery: pre-emptive (rising ECC counts on a simulated GPU)")
     out["pre-emptive"] = _preemptive(args, at)
-    c.wait_idle()
-    c.progress("recovery: planned (an admin drain)")
-    out["planned"] = _tp_result(c.run(c.submit_tp(args), c.tp_progress, [(at, c.drain_node(c.tp_victim))]))
-    c.wait_idle()
+    jobs.wait_idle()
+    jobs.progress("recovery: planned (an admin drain)")
+    out["planned"] = _tp_result(jobs.run(jobs.submit_tp(args), jobs.tp_progress,
+                                         [(at, jobs.drain_node(jobs.tp_victim))]))
+    jobs.wait_idle()
     return out
 
 
 def _preemptive(args: list[str], at: int) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:8]
-    sim = c.SHARED / "health" / f"bench-{tag}"
+    sim = jobs.CLUSTER.shared_host / "health" / f"bench-{tag}"
     sim.mkdir(parents=True)
     try:
         (sim / "health.toml").write_text('disk_paths = ["/shared"]\necc_rate_min_interval_s = 1.0\n')
-        for node in c.COMPUTE:
+        for node in COMPUTE:
             (sim / f"{node}.json").write_text(json.dumps({"gpus": [HEALTHY_GPU]}))
         env = {"TORCHPASS_HEALTH_SIMULATE": f"/shared/health/bench-{tag}/{{node}}.json",
                "TORCHPASS_HEALTH_CONFIG": f"/shared/health/bench-{tag}/health.toml",
                "TORCHPASS_HEALTH_INTERVAL": "1"}
 
-        def ecc_jump(job: c.Job) -> dict[str, Any]:
-            node = c.tp_victim(job)
+        def ecc_jump(job: jobs.Job) -> dict[str, Any]:
+            node = jobs.tp_victim(job)
             gpu = {**HEALTHY_GPU, "ecc_corrected": FAILING_ECC}
             (sim / f"{node}.json").write_text(json.dumps({"gpus": [gpu]}))
             return {"kind": "ecc", "node": node}
 
-        return _tp_result(c.run(c.submit_tp(args, env=env), c.tp_progress, [(at, ecc_jump)]))
+        return _tp_result(jobs.run(jobs.submit_tp(args, env=env), jobs.tp_progress,
+                                   [(at, ecc_jump)]))
     finally:
         shutil.rmtree(sim, ignore_errors=True)
 
 
-def _tp_result(job: c.Job) -> dict[str, Any]:
+def _tp_result(job: jobs.Job) -> dict[str, Any]:
     """Job time, outcome and the tp report of a tp job."""
-    report = job_json(load_report(c.host_path(job.folder)))
-    done = c.DONE_LINE.search(job.output())
+    report = job_json(load_report(jobs.CLUSTER.host_path(job.folder)))
+    done = jobs.DONE_LINE.search(job.output())
     return {"job": job.job_id, "state": job.state, "seconds": round(job.seconds, 2),
             "injected": job.faults, "timeline": job.timeline, "faults": report.get("faults", []),
             "params_sha256": done.group(3) if done else None}
@@ -184,30 +188,30 @@ def completion(size: Sizing) -> dict[str, Any]:
     args = size.train_args(steps, ckpt_every=size.ckpt_every, step_sleep=size.step_sleep)
     spares = len(faults)
     out: dict[str, Any] = {"train_args": args, "fault_steps": list(faults), "spares": spares}
-    c.wait_idle()
-    c.progress(f"completion: fault-free run ({steps} steps)")
-    out["no_fault"] = _tp_result(c.run(c.submit_tp(args, spares=spares), c.tp_progress))
+    jobs.wait_idle()
+    jobs.progress(f"completion: fault-free run ({steps} steps)")
+    out["no_fault"] = _tp_result(jobs.run(jobs.submit_tp(args, spares=spares), jobs.tp_progress))
     for name, env in (("live", None), ("restart", {"TORCHPASS_RECOVERY": "restart"})):
-        c.wait_idle()
-        c.progress(f"completion: {name}, {len(faults)} nodes powered off")
-        job = c.run(c.submit_tp(args, spares=spares, env=env), c.tp_progress,
-                    [(at, c.kill_node(c.tp_victim)) for at in faults])
+        jobs.wait_idle()
+        jobs.progress(f"completion: {name}, {len(faults)} nodes powered off")
+        job = jobs.run(jobs.submit_tp(args, spares=spares, env=env), jobs.tp_progress,
+                       [(at, jobs.kill_node(jobs.tp_victim)) for at in faults])
         out[name] = _tp_result(job)
-        c.restart_nodes([f["node"] for f in job.faults])
-    c.progress(f"completion: sbatch --requeue, {len(faults)} nodes powered off")
-    job = c.run(c.submit_plain(args, requeue=True), c.plain_progress,
-                [(at, c.kill_node(c.plain_victim)) for at in faults])
+        jobs.restart_nodes([f["node"] for f in job.faults])
+    jobs.progress(f"completion: sbatch --requeue, {len(faults)} nodes powered off")
+    job = jobs.run(jobs.submit_plain(args, requeue=True), jobs.plain_progress,
+                   [(at, jobs.kill_node(jobs.plain_victim)) for at in faults])
     out["requeue"] = _requeue_result(job, steps)
-    c.restart_nodes([f["node"] for f in job.faults])
+    jobs.restart_nodes([f["node"] for f in job.faults])
     return out
 
 
-def _requeue_result(job: c.Job, steps: int) -> dict[str, Any]:
+def _requeue_result(job: jobs.Job, steps: int) -> dict[str, Any]:
     """Job time of a requeued plain job, and the steps it computed more than once."""
     text = job.output()
-    starts = [int(s) for s in c.START_LINE.findall(text)]
-    computed = sum(1 for _ in c.STEP_LINE.finditer(text))
-    done = c.DONE_LINE.search(text)
+    starts = [int(s) for s in jobs.START_LINE.findall(text)]
+    computed = sum(1 for _ in jobs.STEP_LINE.finditer(text))
+    done = jobs.DONE_LINE.search(text)
     return {"job": job.job_id, "state": job.state, "seconds": round(job.seconds, 2),
             "injected": job.faults, "timeline": job.timeline, "starts_at_steps": starts, "requeues": max(0, len(starts) - 1),
             "steps_computed": computed, "recomputed_steps": computed - steps,
@@ -219,13 +223,13 @@ def _requeue_result(job: c.Job, steps: int) -> dict[str, Any]:
 
 def transfer(size: Sizing) -> dict[str, Any]:
     """transfer_bench.py between c4 and c5 (srun -N2): the stream against raw TCP, by size."""
-    c.wait_idle()
+    jobs.wait_idle()
     sizes = ",".join(str(s) for s in size.transfer_sizes_mb)
-    folder = c.new_folder("transfer")
-    c.progress(f"transfer: c4 <-> c5, {sizes} MB, best of {size.transfer_repeat}")
-    printed = c.on("ctl", "srun", "-N2", "-n2", "--nodelist=c4,c5", "python3",
+    folder = jobs.new_folder("transfer")
+    jobs.progress(f"transfer: c4 <-> c5, {sizes} MB, best of {size.transfer_repeat}")
+    printed = jobs.on("ctl", "srun", "-N2", "-n2", "--nodelist=c4,c5", "python3",
                    "/src/benchmarks/transfer_bench.py", "--sizes", sizes, "--no-mpi",
                    "--repeat", str(size.transfer_repeat), "--json", f"{folder}/transfer.json")
-    result = c.read_json(c.host_path(f"{folder}/transfer.json"))
+    result = jobs.read_json(jobs.CLUSTER.host_path(f"{folder}/transfer.json"))
     result["printed"] = printed
     return result

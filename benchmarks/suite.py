@@ -19,19 +19,18 @@ import dataclasses
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cluster as c
-from benchmarks import render, runs
+from benchmarks import jobs, render, runs
+from scripts.devcluster import ClusterError
 
 PARTS = {"overhead": runs.overhead, "recovery": runs.recovery, "completion": runs.completion,
          "transfer": runs.transfer}
-DEFAULT_JSON = c.ROOT / "benchmarks" / "results" / "suite.json"
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "suite.json"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -56,8 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def environment(sizing: str) -> dict[str, Any]:
-    torch = c.on("ctl", "python3", "-c", "import torch; print(torch.__version__)").strip()
-    slurm = c.on("ctl", "sinfo", "--version").strip()
+    torch = jobs.on("ctl", "python3", "-c", "import torch; print(torch.__version__)").strip()
+    slurm = jobs.on("ctl", "sinfo", "--version").strip()
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
             "cpus": os.cpu_count(), "node_torch": torch, "slurm": slurm, "sizing": sizing}
 
@@ -68,26 +67,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.json.exists() and set(args.parts) != set(PARTS):
         results = json.loads(args.json.read_text())
     try:
-        started = not c.cluster_running()
+        started = not jobs.CLUSTER.is_up()
         if started:
-            c.progress("the test cluster is not running: starting it (scripts/cluster up)")
-            c.cluster("up", show=True)
-    except (c.BenchError, OSError, subprocess.TimeoutExpired) as err:
+            jobs.progress("the test cluster is not running: starting it (scripts/cluster up)")
+            jobs.CLUSTER.up()
+    except (ClusterError, OSError) as err:
         sys.exit(f"cannot start the test cluster: {err}")
     try:
         return run_suite(args, results)
     finally:
         if started:
-            c.progress("taking the cluster down again (scripts/cluster down)")
-            c.cluster("down", show=True)
+            jobs.progress("taking the cluster down again (scripts/cluster down)")
+            jobs.CLUSTER.down()
 
 
 def run_suite(args: argparse.Namespace, results: dict[str, Any]) -> int:
     size = runs.QUICK if args.quick else runs.Sizing()
     size = dataclasses.replace(size, completion_failures=args.failures)
     try:
-        c.wait_idle(timeout=60)
-    except (c.BenchError, OSError) as err:
+        jobs.wait_idle(timeout=60)
+    except (ClusterError, OSError) as err:
         sys.exit(f"the test cluster is not idle ({err}); see `scripts/cluster status`")
     results["environment"] = environment("quick" if args.quick else "default")
     results["sizing"] = {k: getattr(size, k) for k in size.__dataclass_fields__}
@@ -96,17 +95,17 @@ def run_suite(args: argparse.Namespace, results: dict[str, Any]) -> int:
         part_began = time.monotonic()
         try:
             results[part] = PARTS[part](size)
-        except c.BenchError as err:
+        except ClusterError as err:
             sys.exit(f"benchmark part {part!r} failed: {err}")
-        c.progress(f"{part}: done in {time.monotonic() - part_began:.0f} s")
+        jobs.progress(f"{part}: done in {time.monotonic() - part_began:.0f} s")
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")  # a crash later keeps this part
-    c.progress(f"suite done in {time.monotonic() - began:.0f} s; results in {args.json}")
+    jobs.progress(f"suite done in {time.monotonic() - began:.0f} s; results in {args.json}")
     if args.no_doc:
         print(render.tables(results))
     else:
         print(render.render(results))
-        c.progress(f"tables written into {render.DOC}, plots into {render.IMG_DIR}")
+        jobs.progress(f"tables written into {render.DOC}, plots into {render.IMG_DIR}")
     return 0
 
 

@@ -1,5 +1,8 @@
 """The session-wide cluster fixture: start the cluster, or reuse one already up.
 
+The cluster is driven by scripts/devcluster.py, the same driver behind
+``scripts/cluster`` and the benchmarks.
+
 What the fixture started it removes at the end of the session, whatever the
 outcome; a cluster that was already up is left as it was found (minus any
 faults a test injected, which every test repairs).
@@ -7,37 +10,31 @@ faults a test injected, which every test repairs).
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster.harness import COMPUTE, SCRIPT, Cluster, shared_dir, wait_for
+from scripts.devcluster import COMPUTE, Cluster, ClusterError, wait_for
 from tests.cluster.jobs import final_hash, submit
-
-
-def _cluster_running() -> bool:
-    proc = subprocess.run(["docker", "exec", "torchpass-ctl", "sinfo", "-h", "-o", "%N"],
-                          capture_output=True, text=True, timeout=60)
-    return proc.returncode == 0
 
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
+    c = Cluster()
     started = False
-    if not _cluster_running():
-        proc = subprocess.run([str(SCRIPT), "up"], text=True, timeout=3600)
-        if proc.returncode != 0:
-            subprocess.run([str(SCRIPT), "down"], timeout=300)
-            pytest.fail("scripts/cluster up failed (output above)")
+    if not c.is_up():
+        try:
+            c.up()
+        except ClusterError as err:
+            c.down()
+            pytest.fail(f"the cluster did not come up: {err}")
         started = True
-    c = Cluster(shared_host=shared_dir())
     try:
         c.ensure_healthy()
         yield c
     finally:
         if started:
-            subprocess.run([str(SCRIPT), "down"], timeout=300)
+            c.down()
 
 
 @pytest.fixture
@@ -58,8 +55,7 @@ def reference_hash(cluster: Cluster) -> str:
     wait_for(lambda: job.host_run_dir.joinpath("status.json").exists() and
              all(n["state"] in ("running", "standby") for n in job.status()["nodes"]),
              timeout=120, what="every step up")
-    allocated = cluster.exec("ctl", "scontrol", "show", "hostnames",
-                             cluster.job_field(job.job_id, "NodeList")).stdout.split()
+    allocated = cluster.job_nodes(job.job_id)
     assert len(allocated) == 4
     roles = sorted(n["role"] for n in job.status()["nodes"])
     assert roles == ["active", "active", "active", "spare"]
@@ -70,4 +66,4 @@ def reference_hash(cluster: Cluster) -> str:
     return final_hash(job)
 
 
-__all__ = ["cluster", "healthy_cluster", "reference_hash", "COMPUTE"]
+__all__ = ["COMPUTE", "cluster", "healthy_cluster", "reference_hash"]

@@ -15,9 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.harness import COMPUTE, DOWN_MARGIN_S, SLURMD_TIMEOUT_S, Cluster, wait_for
+from scripts.devcluster import COMPUTE, Cluster, wait_for
 
 pytestmark = pytest.mark.cluster
+
+#: Slurm marks a silent node DOWN after SlurmdTimeout (30 s in docker/slurm.conf);
+#: the controller pings nodes periodically, so allow a generous margin.
+SLURMD_TIMEOUT_S = 30.0
+DOWN_MARGIN_S = 60.0
 
 
 def test_every_node_comes_up_idle(cluster: Cluster) -> None:
@@ -106,7 +111,7 @@ def _kill_one_node_mid_job(c: Cluster, job: str, host_dir: Path) -> None:
 
     # Slurm marks the node DOWN and removes it from the job; the job keeps running.
     def job_nodes_without_victim() -> list[str] | None:
-        job_nodes = _expand(c, c.job_field(job, "NodeList"))
+        job_nodes = c.job_nodes(job)
         return job_nodes if victim not in job_nodes else None
 
     job_nodes = wait_for(job_nodes_without_victim, timeout=SLURMD_TIMEOUT_S + DOWN_MARGIN_S,
@@ -128,7 +133,3 @@ def _kill_one_node_mid_job(c: Cluster, job: str, host_dir: Path) -> None:
 def _ticks(host_dir: Path, node: str) -> int:
     return sum(1 for line in (host_dir / f"{node}.out").read_text().splitlines()
                if line.startswith("tick"))
-
-
-def _expand(c: Cluster, hostlist: str) -> list[str]:
-    return c.exec("ctl", "scontrol", "show", "hostnames", hostlist).stdout.split()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.harness import Cluster, wait_for
+from scripts.devcluster import Cluster, wait_for
 from tests.cluster.jobs import active_victim, final_hash, submit
 
 pytestmark = pytest.mark.cluster

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.cluster.harness import Cluster, wait_for
+from scripts.devcluster import Cluster, wait_for
 from tests.cluster.jobs import TpJob, active_victim, final_hash, kill_rank, submit
 
 pytestmark = pytest.mark.cluster

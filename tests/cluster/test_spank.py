@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from tests.cluster.harness import Cluster, wait_for
-from tests.cluster.jobs import EXAMPLE, TRAIN_ARGS, DONE
+from scripts.devcluster import Cluster, wait_for
+from tests.cluster.jobs import DONE, EXAMPLE, TRAIN_ARGS
 
 pytestmark = pytest.mark.cluster
 

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from tests.cluster.harness import Cluster
+from scripts.devcluster import Cluster
 from tests.cluster.jobs import EXAMPLE, active_victim, final_hash, kill_rank, submit
 
 pytestmark = pytest.mark.cluster

@@ -1,9 +1,10 @@
-"""The dockerized test cluster, as the benchmarks drive it from the host.
+"""The benchmarks' jobs on the dockerized dev cluster: submit, watch, break.
 
-Every Slurm and torchpass command runs on the controller container
-(``docker exec torchpass-ctl ...``), as a user of the cluster would; faults are
-injected from outside with ``scripts/cluster kill`` (power loss), ``scontrol``
-(an admin drain) or a simulated GPU file (the in-job health agent). Event logs
+The cluster itself is driven by scripts/devcluster.py (the driver the tests
+and ``scripts/cluster`` use too). Every Slurm and torchpass command runs on the
+controller container, as a user of the cluster would; faults are injected
+from outside: power loss (the node's container killed), an admin drain
+(``scontrol``) or a simulated GPU file (the in-job health agent). Event logs
 and job output are read from the host side of ``/shared``.
 
 Nothing here measures: it starts things, waits for them (every wait has a
@@ -13,9 +14,7 @@ timeout) and hands back what it saw.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 import time
 import uuid
@@ -24,17 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-CLUSTER_SCRIPT = ROOT / "scripts" / "cluster"
-SHARED = Path(os.environ.get("TP_CLUSTER_SHARED", ROOT / ".cluster" / "shared")).resolve()
-COMPUTE = ("c1", "c2", "c3", "c4", "c5")
+from scripts.devcluster import Cluster, ClusterError
+
+CLUSTER = Cluster()
 TP_SCRIPT = "/src/sbatch-examples/tiny_gpt_tp.sbatch"
 PLAIN_SCRIPT = "/src/sbatch-examples/tiny_gpt.sbatch"
 
-#: How long one docker exec may take (seconds).
+#: How long one command on the controller may take (seconds).
 EXEC_TIMEOUT_S = 600.0
-#: How long ``scripts/cluster up`` may take (it builds the images the first time).
-BUILD_TIMEOUT_S = 2400.0
 #: How long a benchmark job may run before it is cancelled (seconds).
 JOB_TIMEOUT_S = 900.0
 #: How long the nodes may take to come back idle between runs (seconds).
@@ -44,13 +40,13 @@ POLL_S = 0.5
 
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
-STEP_LINE = re.compile(r"^step=(\d+) loss=", re.M)
-THROUGHPUT_LINE = re.compile(r"^throughput steps=(\d+) seconds=([\d.]+) tokens_per_s=([\d.]+)", re.M)
-DONE_LINE = re.compile(r"^done step=(\d+) loss=([\d.na]+) params_sha256=(\w+)", re.M)
+STEP_LINE = re.compile(r"^step=(\d+) loss=", re.MULTILINE)
+THROUGHPUT_LINE = re.compile(r"^throughput steps=(\d+) seconds=([\d.]+) tokens_per_s=([\d.]+)", re.MULTILINE)
+DONE_LINE = re.compile(r"^done step=(\d+) loss=([\d.na]+) params_sha256=(\w+)", re.MULTILINE)
 START_LINE = re.compile(r"starting at step (\d+)")
 
 
-class BenchError(RuntimeError):
+class BenchError(ClusterError):
     """A benchmark could not run (the cluster or a job misbehaved); the message says what was seen."""
 
 
@@ -61,61 +57,12 @@ def progress(message: str) -> None:
 
 def on(node: str, *cmd: str, env: Mapping[str, str] | None = None, check: bool = True) -> str:
     """Run a command on a node (``ctl``, ``c1``..``c5``); its stdout."""
-    env_args = [a for k, v in (env or {}).items() for a in ("-e", f"{k}={v}")]
-    proc = subprocess.run(["docker", "exec", *env_args, f"torchpass-{node}", *cmd],
-                          capture_output=True, text=True, timeout=EXEC_TIMEOUT_S)
-    if check and proc.returncode != 0:
-        raise BenchError(f"on {node}: {' '.join(cmd)} exited {proc.returncode}: "
-                         f"{(proc.stderr or proc.stdout).strip()[-400:]}")
-    return proc.stdout
-
-
-def cluster(*args: str, show: bool = False) -> None:
-    """``scripts/cluster ARGS`` (kill, restart, up, ...); ``show``: its progress on stderr."""
-    argv = [sys.executable, str(CLUSTER_SCRIPT), *args]
-    if show:  # `up` may build the images first: minutes, with progress lines
-        proc = subprocess.run(argv, stdout=sys.stderr, stderr=sys.stderr, timeout=BUILD_TIMEOUT_S)
-        if proc.returncode != 0:
-            raise BenchError(f"scripts/cluster {' '.join(args)} exited {proc.returncode}")
-        return
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=EXEC_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise BenchError(f"scripts/cluster {' '.join(args)}: {proc.stderr.strip()[-400:]}")
-
-
-def cluster_running() -> bool:
-    """The cluster's controller container runs."""
-    proc = subprocess.run(["docker", "ps", "--format", "{{.Names}}"], capture_output=True, text=True,
-                          timeout=EXEC_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise BenchError(f"docker ps failed: {proc.stderr.strip()} (is dockerd running?)")
-    return "torchpass-ctl" in proc.stdout.split()
-
-
-def host_path(shared_path: str) -> Path:
-    """The host side of a path under the nodes' /shared."""
-    if not shared_path.startswith("/shared/"):
-        raise ValueError(f"{shared_path!r} is not under /shared")
-    return SHARED / shared_path[len("/shared/"):]
-
-
-def node_states() -> dict[str, str]:
-    out = on("ctl", "sinfo", "-h", "-N", "-o", "%N %T")
-    return dict(line.split() for line in out.splitlines() if line.strip())
+    return CLUSTER.exec(node, *cmd, env=env, check=check, timeout=EXEC_TIMEOUT_S).stdout
 
 
 def wait_idle(timeout: float = IDLE_TIMEOUT_S) -> None:
-    """Every compute node idle (drained or down ones resumed); raise after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = node_states()
-        if len(states) == len(COMPUTE) and all(s == "idle" for s in states.values()):
-            return
-        for node, state in states.items():
-            if state != "idle" and not state.startswith(("alloc", "mix", "comp")):
-                on("ctl", "scontrol", "update", f"nodename={node}", "state=resume", check=False)
-        time.sleep(2)
-    raise BenchError(f"the nodes did not all come back idle in {timeout:.0f} s: {node_states()}")
+    """Every compute node idle (drained or down ones resumed); ClusterError after ``timeout``."""
+    CLUSTER.wait_idle(timeout=timeout, resume=True)
 
 
 @dataclass
@@ -138,13 +85,13 @@ class Job:
         return self.ended - self.submitted
 
     def output(self) -> str:
-        path = host_path(f"{self.folder}/slurm-{self.job_id}.out")
+        path = CLUSTER.host_path(f"{self.folder}/slurm-{self.job_id}.out")
         return path.read_text(errors="replace") if path.exists() else ""
 
 
 def new_folder(kind: str) -> str:
     folder = f"/shared/bench/{kind}-{uuid.uuid4().hex[:8]}"
-    host_path(folder).mkdir(parents=True, exist_ok=True)
+    CLUSTER.host_path(folder).mkdir(parents=True, exist_ok=True)
     return folder
 
 
@@ -152,9 +99,8 @@ def submit_tp(train_args: Sequence[str], *, nodes: int = 3, spares: int = 1,
               env: Mapping[str, str] | None = None) -> Job:
     """tp-submit the example training (tp run, ``spares`` hot spares)."""
     folder = new_folder("tp")
-    job_id = on("ctl", "tp-submit", "--parsable", "-N", str(nodes), "--spares", str(spares),
-                "--run-dir", folder, "--output", f"{folder}/slurm-%j.out", TP_SCRIPT, *train_args,
-                env=env).strip()
+    job_id = CLUSTER.tp_submit(folder, "-N", str(nodes), "--spares", str(spares), TP_SCRIPT,
+                               *train_args, env=env)
     return Job(job_id, folder, time.monotonic())
 
 
@@ -162,9 +108,9 @@ def submit_plain(train_args: Sequence[str], *, nodes: int = 3, requeue: bool = F
     """sbatch the example training with plain srun + torch DDP (no torchpass)."""
     folder = new_folder("plain")
     flags = ["--requeue", "--open-mode=append"] if requeue else ["--no-requeue"]
-    job_id = on("ctl", "sbatch", "--parsable", "-N", str(nodes), *flags,
-                "--output", f"{folder}/slurm-%j.out", PLAIN_SCRIPT, "--plain-ddp",
-                "--ckpt-dir", f"{folder}/checkpoints", *train_args).strip()
+    job_id = CLUSTER.sbatch("-N", str(nodes), *flags, "--output", f"{folder}/slurm-%j.out",
+                            PLAIN_SCRIPT, "--plain-ddp", "--ckpt-dir", f"{folder}/checkpoints",
+                            *train_args)
     return Job(job_id, folder, time.monotonic())
 
 
@@ -177,29 +123,9 @@ def job_state(job: Job) -> str:
     return match.group(1) if match else "COMPLETED"
 
 
-def batch_host(job: Job) -> str:
-    return on("ctl", "squeue", "-h", "-j", job.job_id, "-o", "%B").strip()
-
-
-def job_nodes(job: Job) -> list[str]:
-    nodelist = on("ctl", "squeue", "-h", "-j", job.job_id, "-o", "%N").strip()
-    if not nodelist:
-        return []
-    return on("ctl", "scontrol", "show", "hostnames", nodelist).split()
-
-
-def tp_status(job: Job) -> dict[str, Any]:
-    out = on("ctl", "tp", "status", job.job_id, "--json", check=False)
-    try:
-        return json.loads(out)
-    except ValueError:
-        return {}
-
-
 def tp_progress(job: Job) -> int:
     """The lowest committed step over the active nodes of a tp job (0 before the first)."""
-    steps = [n.get("last_step") or 0 for n in tp_status(job).get("nodes", []) if n.get("role") == "active"]
-    return min(steps) if steps else 0
+    return CLUSTER.tp_step(job.job_id)
 
 
 def plain_progress(job: Job) -> int:
@@ -210,16 +136,12 @@ def plain_progress(job: Job) -> int:
 
 def tp_victim(job: Job) -> str:
     """An active node of a tp job that is not the batch host (the supervisor lives there)."""
-    batch = batch_host(job)
-    for node in tp_status(job).get("nodes", []):
-        if node.get("role") == "active" and node.get("node") != batch:
-            return str(node["node"])
-    raise BenchError(f"job {job.job_id} has no active node besides its batch host {batch}")
+    return CLUSTER.tp_victim(job.job_id)
 
 
 def plain_victim(job: Job) -> str:
-    batch = batch_host(job)
-    others = [n for n in job_nodes(job) if n != batch]
+    batch = CLUSTER.job_field(job.job_id, "BatchHost")
+    others = [n for n in CLUSTER.job_nodes(job.job_id) if n != batch]
     if not others:
         raise BenchError(f"job {job.job_id} runs on no node besides its batch host {batch}")
     return others[-1]
@@ -257,10 +179,10 @@ def run(job: Job, progress_of: Callable[[Job], int],
 
 
 def kill_node(victim_of: Callable[[Job], str]) -> Injector:
-    """Power loss: the node's container is killed (``scripts/cluster kill``)."""
+    """Power loss: the node's container is killed."""
     def inject(job: Job) -> dict[str, Any]:
         node = victim_of(job)
-        cluster("kill", node)
+        CLUSTER.kill(node)
         return {"kind": "kill", "node": node}
     return inject
 
@@ -277,7 +199,7 @@ def drain_node(victim_of: Callable[[Job], str]) -> Injector:
 def restart_nodes(nodes: Sequence[str]) -> None:
     """Power killed nodes back on and wait for the whole cluster to be idle."""
     for node in nodes:
-        cluster("restart", node)
+        CLUSTER.restart(node)
     wait_idle()
 
 

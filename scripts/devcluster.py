@@ -1,0 +1,473 @@
+"""The one driver of the dockerized Slurm dev cluster (docs/dev-cluster.md).
+
+It builds the images, brings the cluster up and down, runs commands on its
+nodes, reads Slurm's and tp's view of it, injects faults (power loss, network
+cut) and repairs them. Its users: the ``scripts/cluster`` command line, the
+cluster tests (``tests/cluster/``) and the benchmarks (``benchmarks/``), all
+through :class:`Cluster`.
+
+Standard library only (Python 3.9+), so ``scripts/cluster`` runs with any
+python3. Settings (environment, read at import): TP_CLUSTER_IMAGE,
+TP_CLUSTER_SHARED (host folder mounted at /shared on every node),
+TP_CLUSTER_NET_PREFIX (first three octets of the cluster's /24, default
+172.29.77), TP_CLUSTER_NETWORK, TP_CLUSTER_BASE_MIRROR (Debian mirror for
+debootstrap).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKER_DIR = ROOT / "docker"
+COMPOSE_FILE = DOCKER_DIR / "compose.yml"
+PROJECT = "torchpass"
+CONTROLLER = "ctl"
+COMPUTE = ("c1", "c2", "c3", "c4", "c5")
+NODES = (CONTROLLER,) + COMPUTE
+BASE_IMAGE = "debian:trixie"
+
+IMAGE = os.environ.get("TP_CLUSTER_IMAGE", "torchpass-slurm-node:dev")
+NETWORK = os.environ.get("TP_CLUSTER_NETWORK", "torchpass-net")
+NET_PREFIX = os.environ.get("TP_CLUSTER_NET_PREFIX", "172.29.77")
+SHARED = Path(os.environ.get("TP_CLUSTER_SHARED", ROOT / ".cluster" / "shared")).resolve()
+MIRROR = os.environ.get("TP_CLUSTER_BASE_MIRROR", "http://deb.debian.org/debian")
+
+#: How long `up` waits for every compute node to be idle (seconds).
+UP_TIMEOUT_S = 240.0
+#: How long the nodes may take to come back idle after a test or a benchmark run (seconds).
+HEALTHY_TIMEOUT_S = 180.0
+#: How long one docker command may take before we give up (seconds).
+DOCKER_TIMEOUT_S = 300.0
+#: How long one command on a node may take, unless the caller says otherwise (seconds).
+EXEC_TIMEOUT_S = 120.0
+#: How long one image build may take (seconds).
+BUILD_TIMEOUT_S = 1800.0
+#: Seconds between two looks at the nodes while waiting for them.
+POLL_S = 1.0
+#: Log lines quoted from a node that did not come up.
+EXCERPT_LINES = 6
+#: Slurm states from which `wait_idle(resume=True)` resumes a node (scontrol state=resume).
+RESUMABLE = ("down", "drain", "fail")
+#: Job states of a job that has not finished yet.
+UNFINISHED = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING")
+
+T = TypeVar("T")
+
+
+class ClusterError(Exception):
+    """The cluster or a command on it did not do what was asked; the message says what was seen."""
+
+
+def log(msg: str) -> None:
+    print(f"[cluster {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def container(node: str) -> str:
+    if node not in NODES:
+        raise ClusterError(f"unknown node {node!r}; the nodes are {', '.join(NODES)}")
+    return f"{PROJECT}-{node}"
+
+
+def node_ip(node: str) -> str:
+    return f"{NET_PREFIX}.{10 + NODES.index(node)}"
+
+
+def command(argv: Sequence[str], *, timeout: float = DOCKER_TIMEOUT_S, check: bool = True,
+            capture: bool = True, env: Mapping[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+    """Run one host command (docker, compose, debootstrap); ClusterError when it fails."""
+    try:
+        proc = subprocess.run(list(argv), capture_output=capture, text=True, timeout=timeout,
+                              check=False, env=None if env is None else dict(env))
+    except FileNotFoundError:
+        raise ClusterError(f"`{argv[0]}` is not installed; the dev cluster needs Docker "
+                           "(scripts/host-setup installs it, docs/dev-cluster.md)") from None
+    except subprocess.TimeoutExpired:
+        raise ClusterError(f"`{' '.join(argv)}` did not finish within {timeout:g} s") from None
+    if check and proc.returncode != 0:
+        said = (proc.stderr or proc.stdout or "").strip()[-2000:] if capture else ""
+        raise ClusterError(f"`{' '.join(argv)}` failed with status {proc.returncode}"
+                           + (f": {said}" if said else ""))
+    return proc
+
+
+# --- images ----------------------------------------------------------------------
+
+
+def require_docker() -> None:
+    if shutil.which("docker") is None:
+        raise ClusterError("docker is not installed; scripts/host-setup says what to install")
+    proc = command(["docker", "info", "--format", "{{.ServerVersion}}"], check=False, timeout=30)
+    if proc.returncode != 0:
+        raise ClusterError("the Docker engine does not answer; start dockerd, or run "
+                           f"scripts/host-setup as root (docker said: {proc.stderr.strip()})")
+
+
+def compose_cmd() -> list[str]:
+    """docker-compose v1 where installed, else the `docker compose` v2 plugin."""
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if command(["docker", "compose", "version"], check=False, timeout=30).returncode == 0:
+        return ["docker", "compose"]
+    raise ClusterError("neither docker-compose nor the `docker compose` plugin is installed")
+
+
+def compose(*args: str, timeout: float = DOCKER_TIMEOUT_S) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TP_CLUSTER_IMAGE=IMAGE, TP_CLUSTER_NETWORK=NETWORK,
+               TP_CLUSTER_NET_PREFIX=NET_PREFIX, TP_CLUSTER_SHARED=str(SHARED))
+    argv = compose_cmd() + ["-p", PROJECT, "-f", str(COMPOSE_FILE), *args]
+    return command(argv, timeout=timeout, env=env)
+
+
+def image_exists(name: str) -> bool:
+    return command(["docker", "image", "inspect", name], check=False, timeout=60).returncode == 0
+
+
+def ensure_base_image() -> None:
+    """debian:trixie: present, else pulled, else built with debootstrap (air-gapped)."""
+    if image_exists(BASE_IMAGE):
+        return
+    log(f"{BASE_IMAGE} not present; trying docker pull")
+    if command(["docker", "pull", BASE_IMAGE], check=False, timeout=600).returncode == 0:
+        return
+    if shutil.which("debootstrap") is None:
+        raise ClusterError(f"{BASE_IMAGE} can be neither found nor pulled, and debootstrap is "
+                           "not installed to build it (apt-get install debootstrap)")
+    log(f"building {BASE_IMAGE} with debootstrap from {MIRROR} (about a minute)")
+    with tempfile.TemporaryDirectory(prefix="tp-trixie-") as tmp:
+        rootfs = Path(tmp) / "rootfs"
+        command(["debootstrap", "--variant=minbase", "trixie", str(rootfs), MIRROR],
+                timeout=1200)
+        tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+        try:
+            imp = subprocess.run(["docker", "import", "-", BASE_IMAGE], stdin=tar.stdout,
+                                 capture_output=True, text=True, timeout=600, check=False)
+        finally:
+            assert tar.stdout is not None
+            tar.stdout.close()
+            tar.wait(timeout=600)
+        if imp.returncode != 0 or tar.returncode != 0:
+            raise ClusterError(f"docker import of the debootstrap tree failed: {imp.stderr.strip()}")
+    log(f"{BASE_IMAGE} built")
+
+
+def build() -> None:
+    """The node image (and the base image first, when missing)."""
+    require_docker()
+    ensure_base_image()
+    log(f"building {IMAGE} (the first build takes a few minutes; later ones seconds)")
+    started = time.monotonic()
+    proc = command(["docker", "build", "-q", "-f", str(DOCKER_DIR / "Dockerfile"), "-t", IMAGE,
+                    str(ROOT)], timeout=BUILD_TIMEOUT_S, check=False)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise ClusterError(f"building {IMAGE} failed (output above)")
+    log(f"{IMAGE} ready in {time.monotonic() - started:.0f} s")
+
+
+# --- what a poll sees, judged (pure) -------------------------------------------------
+
+
+def parse_node_states(sinfo: str) -> dict[str, str]:
+    """``sinfo -h -N -o "%N %T"`` output -> node -> state in lower case (idle, down*, ...)."""
+    states: dict[str, str] = {}
+    for line in sinfo.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            states[parts[0]] = parts[1].lower()
+    return states
+
+
+def stopped_nodes(nodes: Sequence[str], containers: Mapping[str, str]) -> list[str]:
+    """The nodes whose container is not running (exited, dead, absent): they will never be idle."""
+    return [n for n in nodes if containers.get(n, "absent") != "running"]
+
+
+def log_excerpt(text: str, lines: int = EXCERPT_LINES) -> list[str]:
+    """What a daemon's log says about why it stopped: its last error or fatal lines,
+    else its last lines."""
+    tail = [line.rstrip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in tail if re.search(r"\b(error|fatal)\b", line, re.IGNORECASE)]
+    return (errors or tail)[-lines:]
+
+
+def not_up_message(waiting: Mapping[str, str], stopped: Sequence[str],
+                   logs: Mapping[str, str], waited_s: float) -> str:
+    """Why the cluster is not up: which nodes, in which state, and what their logs say."""
+    if stopped:
+        head = (f"{', '.join(stopped)} stopped {waited_s:.0f} s after the start "
+                f"(container not running)")
+    else:
+        summary = ", ".join(f"{n}={s}" for n, s in sorted(waiting.items()))
+        head = f"nodes not idle after {waited_s:.0f} s: {summary}"
+    parts = [head]
+    for node in sorted(logs):
+        excerpt = log_excerpt(logs[node])
+        said = "\n".join(f"    {line}" for line in excerpt) if excerpt else "    (empty log)"
+        parts.append(f"  {node} says:\n{said}")
+    parts.append("More: `scripts/cluster logs NODE`, `scripts/cluster status`; "
+                 "`scripts/cluster down` removes the cluster (docs/dev-cluster.md, Troubleshooting)")
+    return "\n".join(parts)
+
+
+def wait_for(probe: Callable[[], T | None], *, timeout: float, what: str,
+             interval: float = 1.0) -> T:
+    """Poll ``probe`` until it returns a truthy value; ClusterError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(interval)
+    raise ClusterError(f"timed out after {timeout:g} s waiting for {what} (last: {last!r})")
+
+
+# --- the cluster -----------------------------------------------------------------------
+
+
+@dataclass
+class Cluster:
+    """The dev cluster as seen from the host: ctl (slurmctld, the login node) and c1..c5."""
+
+    shared_host: Path = SHARED
+    shared_node: str = "/shared"
+
+    # -- lifecycle ---------------------------------------------------------
+    def up(self, *, build_image: bool = True, timeout: float = UP_TIMEOUT_S) -> None:
+        """Build (unless told not to), start, and wait until every compute node is idle."""
+        require_docker()
+        if build_image:
+            build()
+        elif not image_exists(IMAGE):
+            raise ClusterError(f"image {IMAGE} does not exist; run without --no-build")
+        self.shared_host.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.shared_host, 0o1777)
+        log(f"starting {', '.join(NODES)}")
+        started = time.monotonic()
+        compose("up", "-d", "--no-build")
+        self.wait_idle(timeout=timeout)
+        log(f"cluster up in {time.monotonic() - started:.0f} s: {len(NODES)} containers, "
+            f"{len(COMPUTE)} idle nodes (`scripts/cluster status`)")
+
+    def down(self) -> None:
+        require_docker()
+        log("removing the cluster's containers and network")
+        compose("down", "--remove-orphans", "--timeout", "5")
+        leftover = self.containers()
+        if leftover:
+            command(["docker", "rm", "-f", *(container(n) for n in leftover)], check=False)
+        log("cluster down")
+
+    def is_up(self) -> bool:
+        """The controller answers ``sinfo`` (the cluster runs, whoever started it)."""
+        proc = command(["docker", "exec", container(CONTROLLER), "sinfo", "-h", "-o", "%N"],
+                       check=False, timeout=60)
+        return proc.returncode == 0
+
+    def containers(self) -> dict[str, str]:
+        """Node -> docker state (running, exited, ...) of the cluster's containers that exist."""
+        proc = command(["docker", "ps", "-a", "--filter", f"name=^{PROJECT}-",
+                        "--format", "{{.Names}}\t{{.State}}"], timeout=30)
+        out = {}
+        for line in proc.stdout.splitlines():
+            name, _, state = line.partition("\t")
+            node = name[len(PROJECT) + 1:]
+            if node in NODES:
+                out[node] = state
+        return out
+
+    # -- running things ----------------------------------------------------
+    def exec(self, node: str, *cmd: str, timeout: float = EXEC_TIMEOUT_S, check: bool = True,
+             env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+        """Run a command on a node; ``check``: ClusterError with its output when it fails."""
+        env_args = [a for k, v in (env or {}).items() for a in ("-e", f"{k}={v}")]
+        proc = command(["docker", "exec", *env_args, container(node), *cmd], timeout=timeout,
+                       check=False)
+        if check and proc.returncode != 0:
+            raise ClusterError(f"on {node}: {' '.join(cmd)} failed ({proc.returncode}):\n"
+                               f"stdout: {proc.stdout}\nstderr: {proc.stderr}")
+        return proc
+
+    def interactive(self, node: str, cmd: Sequence[str]) -> int:
+        """A command on a node with the terminal attached; its exit status."""
+        tty = ["-t"] if sys.stdin.isatty() and sys.stdout.isatty() else []
+        return subprocess.call(["docker", "exec", "-i", *tty, container(node), *cmd])
+
+    def daemon_log(self, node: str, lines: int = 200) -> str:
+        """The last lines of the node's Slurm daemon log: its log file while the container
+        runs, else what the daemon wrote to the container's output (`docker logs`)."""
+        path = "/var/log/slurm/slurmctld.log" if node == CONTROLLER else "/var/log/slurm/slurmd.log"
+        proc = self.exec(node, "tail", "-n", str(lines), path, check=False, timeout=30)
+        if proc.returncode == 0:
+            return proc.stdout
+        proc = command(["docker", "logs", "--tail", str(lines), container(node)], check=False,
+                       timeout=30)
+        return proc.stdout + proc.stderr
+
+    # -- Slurm's view ------------------------------------------------------
+    def node_states(self) -> dict[str, str]:
+        """Node -> long state as `sinfo -N -o %T` prints it, e.g. idle, down*, idle*."""
+        return parse_node_states(self.exec(CONTROLLER, "sinfo", "-h", "-N", "-o", "%N %T").stdout)
+
+    def node_json(self, node: str) -> dict:
+        out = self.exec(CONTROLLER, "scontrol", "--json", "show", "node", node).stdout
+        return json.loads(out)["nodes"][0]
+
+    def job_field(self, job_id: str, field: str) -> str:
+        out = self.exec(CONTROLLER, "scontrol", "-o", "show", "job", job_id).stdout
+        m = re.search(rf"(?:^|\s){field}=(\S*)", out)
+        if not m:
+            raise ClusterError(f"no {field}= in `scontrol show job {job_id}`: {out}")
+        return m.group(1)
+
+    def job_nodes(self, job_id: str) -> list[str]:
+        """The nodes the job holds now (Slurm updates this when the job loses or sheds one)."""
+        return self.hostnames(self.job_field(job_id, "NodeList"))
+
+    def hostnames(self, hostlist: str) -> list[str]:
+        return self.exec(CONTROLLER, "scontrol", "show", "hostnames", hostlist).stdout.split()
+
+    def sbatch(self, *args: str) -> str:
+        out = self.exec(CONTROLLER, "sbatch", "--parsable", *args).stdout.strip()
+        return out.split(";")[0]
+
+    def wait_job_done(self, job_id: str, timeout: float = 180) -> str:
+        """The job's final state, once it has one."""
+        def finished() -> str | None:
+            state = self.job_field(job_id, "JobState")
+            return state if state not in UNFINISHED else None
+        return wait_for(finished, timeout=timeout, what=f"job {job_id} to finish")
+
+    # -- tp's view ---------------------------------------------------------
+    def tp_submit(self, run_dir: str, *args: str, env: Mapping[str, str] | None = None) -> str:
+        """``tp-submit ARGS`` on ctl with its run folder (under /shared) and output there; the job id."""
+        return self.exec(CONTROLLER, "tp-submit", "--parsable", "--run-dir", run_dir,
+                         "--output", f"{run_dir}/slurm-%j.out", *args, env=env).stdout.strip()
+
+    def tp_status(self, job_id: str) -> dict[str, Any]:
+        return json.loads(self.exec(CONTROLLER, "tp", "status", job_id, "--json").stdout)
+
+    def tp_step(self, job_id: str) -> int:
+        """The lowest committed step over the job's active nodes; 0 before the first, or
+        while tp cannot tell yet."""
+        proc = self.exec(CONTROLLER, "tp", "status", job_id, "--json", check=False)
+        try:
+            nodes = json.loads(proc.stdout).get("nodes", [])
+            steps = [n.get("last_step") or 0 for n in nodes if n.get("role") == "active"]
+        except (ValueError, AttributeError):
+            return 0
+        return min(steps) if steps else 0
+
+    def tp_victim(self, job_id: str) -> str:
+        """An active node of a tp job that is not its batch host (the supervisor lives there)."""
+        batch_host = self.job_field(job_id, "BatchHost")
+        for node in self.tp_status(job_id).get("nodes", []):
+            if node.get("role") == "active" and node.get("node") != batch_host:
+                return str(node["node"])
+        raise ClusterError(f"job {job_id} has no active node besides its batch host {batch_host}")
+
+    # -- faults ------------------------------------------------------------
+    def kill(self, node: str) -> None:
+        """Power loss: the node's container is killed (SIGKILL to everything, no shutdown)."""
+        command(["docker", "kill", container(node)])
+        log(f"{node}: power cut (container killed)")
+
+    def restart(self, node: str) -> None:
+        """Power the node back on, or restart it when it runs."""
+        name = container(node)
+        if self.containers().get(node) == "running":
+            command(["docker", "restart", "--time", "5", name])
+        else:
+            command(["docker", "start", name])
+        log(f"{node}: powered on")
+
+    def attached(self, node: str) -> bool:
+        proc = command(["docker", "inspect", "--format", "{{json .NetworkSettings.Networks}}",
+                        container(node)], timeout=30)
+        return NETWORK in json.loads(proc.stdout or "{}")
+
+    def partition(self, node: str) -> None:
+        """Cut the node off the cluster network: it runs on, silent."""
+        if not self.attached(node):
+            raise ClusterError(f"{node} is already cut off the network ({NETWORK})")
+        command(["docker", "network", "disconnect", NETWORK, container(node)])
+        log(f"{node}: cut off the network {NETWORK}")
+
+    def heal(self, node: str) -> None:
+        """Plug the node back in, at its old address."""
+        if self.attached(node):
+            raise ClusterError(f"{node} is already on the network ({NETWORK})")
+        command(["docker", "network", "connect", "--ip", node_ip(node), NETWORK, container(node)])
+        log(f"{node}: back on the network at {node_ip(node)}")
+
+    # -- repair ------------------------------------------------------------
+    def wait_idle(self, *, timeout: float = UP_TIMEOUT_S, resume: bool = False) -> None:
+        """Every compute node idle; ``resume``: resume the down, drained or failed ones.
+
+        A node whose container stopped never becomes idle: that fails at once, with the
+        last error lines of its log, as does the timeout (with the logs of the nodes
+        still not idle)."""
+        started = time.monotonic()
+        last = ""
+        while True:
+            containers = self.containers()
+            stopped = stopped_nodes(NODES, containers)
+            states = {} if CONTROLLER in stopped else self._states_or_none()
+            waiting = {n: states.get(n, "unknown") for n in COMPUTE if states.get(n) != "idle"}
+            if not waiting and not stopped:
+                return
+            waited = time.monotonic() - started
+            if stopped or waited > timeout:
+                blamed = stopped or [CONTROLLER, *waiting]
+                logs = {n: self.daemon_log(n, lines=50) for n in blamed}
+                raise ClusterError(not_up_message(waiting, stopped, logs, waited))
+            summary = ", ".join(f"{n}={s}" for n, s in sorted(waiting.items()))
+            if summary != last:
+                log(f"waiting for idle: {summary}")
+                last = summary
+            if resume:
+                for node, state in waiting.items():
+                    if state.startswith(RESUMABLE):
+                        self.exec(CONTROLLER, "scontrol", "update", f"nodename={node}",
+                                  "state=resume", check=False)
+            time.sleep(POLL_S)
+
+    def _states_or_none(self) -> dict[str, str]:
+        proc = self.exec(CONTROLLER, "sinfo", "-h", "-N", "-o", "%N %T", check=False, timeout=30)
+        return parse_node_states(proc.stdout) if proc.returncode == 0 else {}
+
+    def ensure_healthy(self, timeout: float = HEALTHY_TIMEOUT_S) -> None:
+        """Bring every compute node back to idle: no jobs left, nodes powered on, plugged
+        back in, resumed."""
+        self.exec(CONTROLLER, "scancel", "--full", "--user=root", check=False)
+        containers = self.containers()
+        for node in COMPUTE:
+            if containers.get(node) != "running":
+                self.restart(node)
+            elif not self.attached(node):
+                self.heal(node)
+        self.wait_idle(timeout=timeout, resume=True)
+
+    # -- the shared folder -------------------------------------------------
+    def host_path(self, node_path: str) -> Path:
+        """The host side of a path under the nodes' /shared."""
+        prefix = self.shared_node.rstrip("/") + "/"
+        if not node_path.startswith(prefix):
+            raise ValueError(f"{node_path!r} is not under {prefix}")
+        return self.shared_host / node_path[len(prefix):]
+
+    def read_shared(self, relpath: str) -> str:
+        return (self.shared_host / relpath).read_text()
