@@ -12,6 +12,11 @@ never reported: it says nothing about the node.
 
 The ECC-rate samples go to a per-job state file in the run folder: the job's
 user need not be able to write the admin's state file.
+
+The agent knows nothing of the rank runtime: it is given a :class:`Report`
+callable (the runtime passes its ``report`` method), the node's name and the
+local rank. :meth:`HealthAgent.close` stops its thread, waiting at most
+:data:`CLOSE_TIMEOUT_S` for a check in flight.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torchpass_slurm.config import (
     DEFAULT_HEALTH_INTERVAL_S,
@@ -32,43 +37,70 @@ from torchpass_slurm.config import (
 
 if TYPE_CHECKING:
     from torchpass_slurm.health.run import HealthReport
-    from torchpass_slurm.rank.runtime import Runtime
+    from torchpass_slurm.health.sources import DeviceSource
 
 logger = logging.getLogger(__name__)
 
 #: In TORCHPASS_HEALTH_SIMULATE, replaced by the node's name (one simulated file per node).
 NODE_PLACEHOLDER = "{node}"
 
+#: Seconds :meth:`HealthAgent.close` waits for the agent's thread to end. The
+#: thread wakes at once when told to stop, unless a check is running: one check
+#: is bounded by the health config's ``timeout_s``. Past this, close() logs and
+#: returns (the thread is a daemon, and reports nothing once told to stop).
+CLOSE_TIMEOUT_S = 5.0
+
+
+class Report(Protocol):
+    """Tells the supervisor a fact: ``report("health_warning", node=..., status=..., summary=...)``.
+
+    :meth:`torchpass_slurm.rank.runtime.Runtime.report` is one.
+    """
+
+    def __call__(self, event: str, **fields: Any) -> None: ...
+
 
 class HealthAgent(threading.Thread):
     """Checks this node's health periodically; reports the first warning."""
 
-    def __init__(self, rt: Runtime, node: str, interval: float) -> None:
+    def __init__(self, report: Report, node: str, interval: float) -> None:
         super().__init__(name="torchpass-health", daemon=True)
-        self.rt = rt
+        self.report = report
         self.node = node
         self.interval = interval
         self.stopping = threading.Event()
         self.reported = False
 
     @classmethod
-    def maybe_start(cls, rt: Runtime) -> HealthAgent | None:
-        """Start the agent on local rank 0 of an active node when the interval is > 0."""
+    def maybe_start(cls, report: Report, *, node: str, local_rank: int) -> HealthAgent | None:
+        """Start the agent on local rank 0 when ``TORCHPASS_HEALTH_INTERVAL`` is > 0."""
         interval = env_float(ENV_HEALTH_INTERVAL, DEFAULT_HEALTH_INTERVAL_S)
-        if interval <= 0 or rt.local_rank != 0:
+        if interval <= 0 or local_rank != 0:
             return None
-        agent = cls(rt, rt.node, interval)
+        agent = cls(report, node, interval)
         agent.start()
         return agent
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the thread and wait up to ``timeout`` seconds for it (idempotent)."""
+        self.stopping.set()
+        if not self.is_alive():
+            return
+        self.join(timeout)
+        if self.is_alive():
+            logger.warning("health agent on %s: its thread did not stop within %.1f s (a check is "
+                           "still running); leaving it, it reports nothing more", self.node, timeout)
 
     def run(self) -> None:
         while not self.stopping.wait(self.interval) and not self.reported:
             try:
-                report = self.check()
-            except Exception as exc:  # the agent must never hurt the training
+                health = self.check()
+            except Exception as exc:  # noqa: BLE001 - the agent must never hurt the training
                 logger.warning("health agent on %s: the check failed: %s", self.node, exc)
                 continue
-            self.judge(report)
+            if self.stopping.is_set():  # closed while the check ran: the rank is leaving
+                break
+            self.judge(health)
 
     def check(self) -> HealthReport:
         from torchpass_slurm.health.config import SIMULATE_ENV, load_config
@@ -81,6 +113,7 @@ class HealthAgent(threading.Thread):
             state = Path(run_dir) / ".torchpass" / f"health-{self.node}.json"
             config = dataclasses.replace(config, state_file=str(state))
         simulate = os.environ.get(SIMULATE_ENV, "")
+        source: DeviceSource
         if NODE_PLACEHOLDER in simulate:
             from torchpass_slurm.health.sources.simulated import SimulatedSource
 
@@ -96,7 +129,7 @@ class HealthAgent(threading.Thread):
         if bad:  # even when another check broke (UNKNOWN ranks above WARNING in report.status)
             summary = "; ".join(r.message for r in bad)[:300]
             status = max(bad, key=lambda r: r.status).status.name
-            self.rt.report("health_warning", node=self.node, status=status, summary=summary)
+            self.report("health_warning", node=self.node, status=status, summary=summary)
             self.reported = True
             logger.warning("health agent on %s: %s: %s", self.node, status, summary)
         elif report.status == Status.UNKNOWN:

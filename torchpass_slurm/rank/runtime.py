@@ -257,7 +257,8 @@ class Runtime:
             self._start_heartbeat()
             from torchpass_slurm.health.agent import HealthAgent
 
-            self._health = HealthAgent.maybe_start(self)
+            self._health = HealthAgent.maybe_start(self.report, node=self.node,
+                                                   local_rank=self.info.local_rank)
         self.log.info("%s rank %d of %d (local %d of %d)", self.role.value, self.rank, self.world_size,
                       self.info.local_rank, self.info.local_world_size)
         return self
@@ -381,8 +382,11 @@ class Runtime:
         return self._tcp_store
 
     def close(self) -> None:
-        """Say bye to the supervisor and stop the heartbeat thread (idempotent)."""
+        """Stop the health agent, say bye to the supervisor and stop the heartbeat thread (idempotent)."""
         self.state = "done"
+        health, self._health = self._health, None
+        if health is not None:
+            health.close()
         hb, self._heartbeat = self._heartbeat, None
         if hb is not None:
             hb.closing.set()

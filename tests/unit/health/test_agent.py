@@ -1,24 +1,27 @@
-"""The in-job health agent: it reports a node's first WARNING/CRITICAL, never UNKNOWN."""
+"""The in-job health agent: it reports a node's first WARNING/CRITICAL, never UNKNOWN; close() stops it."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from torchpass_slurm.health.agent import HealthAgent
+from torchpass_slurm.health.agent import CLOSE_TIMEOUT_S, HealthAgent
+from torchpass_slurm.health.run import HealthReport
 
 
-class FakeRuntime:
-    node = "c2"
-    local_rank = 0
+class Recorder:
+    """A :class:`~torchpass_slurm.health.agent.Report`: keeps what the agent reports."""
 
     def __init__(self) -> None:
         self.reports: list[tuple[str, dict[str, Any]]] = []
 
-    def report(self, event: str, **fields: Any) -> None:
+    def __call__(self, event: str, **fields: Any) -> None:
         self.reports.append((event, fields))
 
 
@@ -27,42 +30,191 @@ GPU = {"index": 0, "uuid": "GPU-0", "temperature_c": 60, "slowdown_c": 88, "shut
 
 
 @pytest.fixture
-def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> HealthAgent:
+def health_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("TORCHPASS_HEALTH_SIMULATE", str(tmp_path / "{node}.json"))
     monkeypatch.setenv("TORCHPASS_HEALTH_CONFIG", str(tmp_path / "health.toml"))
     monkeypatch.setenv("TORCHPASS_RUN_DIR", str(tmp_path / "run"))
     (tmp_path / "health.toml").write_text(f'disk_paths = ["{tmp_path}"]\n')
-    return HealthAgent(FakeRuntime(), "c2", interval=1.0)  # type: ignore[arg-type]
+    return tmp_path
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def agent(health_env: Path, recorder: Recorder) -> HealthAgent:
+    return HealthAgent(recorder, "c2", interval=1.0)
 
 
 def simulate(tmp_path: Path, **gpu: Any) -> None:
     (tmp_path / "c2.json").write_text(json.dumps({"gpus": [{**GPU, **gpu}]}))
 
 
-def test_a_healthy_node_is_not_reported(agent: HealthAgent, tmp_path: Path) -> None:
+def wait_for(condition: Any, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_healthy_node_is_not_reported(agent: HealthAgent, recorder: Recorder, tmp_path: Path) -> None:
     simulate(tmp_path)
     agent.judge(agent.check())
-    assert agent.rt.reports == [] and not agent.reported
+    assert recorder.reports == [] and not agent.reported
 
 
-def test_heat_is_reported_once_with_what_was_seen(agent: HealthAgent, tmp_path: Path) -> None:
+def test_heat_is_reported_once_with_what_was_seen(agent: HealthAgent, recorder: Recorder,
+                                                  tmp_path: Path) -> None:
     simulate(tmp_path, temperature_c=86)
     agent.judge(agent.check())
-    [(event, fields)] = agent.rt.reports
+    [(event, fields)] = recorder.reports
     assert event == "health_warning" and fields["node"] == "c2" and fields["status"] == "WARNING"
     assert "86" in fields["summary"], fields
     assert agent.reported
 
 
-def test_a_broken_gpu_library_is_not_reported(agent: HealthAgent, tmp_path: Path) -> None:
+def test_a_broken_gpu_library_is_not_reported(agent: HealthAgent, recorder: Recorder,
+                                              tmp_path: Path) -> None:
     (tmp_path / "c2.json").write_text(json.dumps({"broken": "NVML_ERROR_LIB_RM_VERSION_MISMATCH"}))
     report = agent.check()
     assert report.status.name == "UNKNOWN"
     agent.judge(report)
-    assert agent.rt.reports == []
+    assert recorder.reports == []
 
 
 def test_the_ecc_samples_go_to_the_run_folder(agent: HealthAgent, tmp_path: Path) -> None:
     simulate(tmp_path)
     agent.check()
     assert (tmp_path / "run" / ".torchpass" / "health-c2.json").exists()
+
+
+# --- the thread: started on local rank 0 only, stopped by close() ----------------------
+
+
+def test_maybe_start_runs_only_on_local_rank_0_with_an_interval(
+        health_env: Path, recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHPASS_HEALTH_INTERVAL", "0")
+    assert HealthAgent.maybe_start(recorder, node="c2", local_rank=0) is None
+    monkeypatch.setenv("TORCHPASS_HEALTH_INTERVAL", "3600")
+    assert HealthAgent.maybe_start(recorder, node="c2", local_rank=1) is None
+    agent = HealthAgent.maybe_start(recorder, node="c2", local_rank=0)
+    assert agent is not None and agent.is_alive() and agent.interval == 3600
+    agent.close()
+    assert not agent.is_alive()
+
+
+def test_close_stops_a_waiting_agent_at_once(agent: HealthAgent, tmp_path: Path) -> None:
+    simulate(tmp_path)
+    agent.interval = 3600.0  # it sleeps between checks: close() must wake it
+    agent.start()
+    started = time.monotonic()
+    agent.close()
+    assert not agent.is_alive()
+    assert time.monotonic() - started < 1.0
+    agent.close()  # idempotent
+
+
+def test_close_stops_a_checking_agent_and_nothing_is_reported_after(
+        agent: HealthAgent, recorder: Recorder, tmp_path: Path) -> None:
+    simulate(tmp_path, temperature_c=86)  # a warning, were it judged
+    agent.interval = 0.01
+    checking, release = threading.Event(), threading.Event()
+    real_check = agent.check
+
+    def slow_check() -> HealthReport:
+        checking.set()
+        release.wait(5)
+        return real_check()
+
+    agent.check = slow_check  # type: ignore[method-assign]
+    agent.start()
+    assert checking.wait(5)
+    started = time.monotonic()
+    agent.close(timeout=0.1)  # the check is still running: close() waits only this long
+    assert 0.1 <= time.monotonic() - started < 1.0
+    assert agent.is_alive()
+    release.set()
+    agent.join(5)
+    assert not agent.is_alive()
+    assert recorder.reports == []  # closed while checking: the rank is leaving
+
+
+def test_a_running_agent_reports_through_the_callable_then_stops(
+        agent: HealthAgent, recorder: Recorder, tmp_path: Path) -> None:
+    simulate(tmp_path, temperature_c=86)
+    agent.interval = 0.01
+    agent.start()
+    wait_for(lambda: recorder.reports)
+    agent.close()
+    assert not agent.is_alive()
+    assert [event for event, _ in recorder.reports] == ["health_warning"]
+
+
+def test_the_close_timeout_is_a_named_bounded_setting() -> None:
+    assert 0 < CLOSE_TIMEOUT_S <= 30
+
+
+# --- with the rank runtime ----------------------------------------------------------------
+
+
+class FakeClient:
+    """The least a Runtime needs of its control client."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    def send(self, kind: str, body: dict[str, Any]) -> None:
+        self.sent.append((kind, body))
+
+    def recv(self, timeout: datetime.timedelta) -> None:
+        time.sleep(min(timeout.total_seconds(), 0.01))
+
+    def close(self) -> None:
+        pass
+
+
+def health_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "torchpass-health"]
+
+
+def active_runtime(client: FakeClient) -> Any:
+    """An active rank on local rank 0 of c2, started (so its agent runs, if the interval says so)."""
+    from torchpass_slurm.config import SupervisorConfig
+    from torchpass_slurm.rank import runtime
+
+    env = {"TORCHPASS_CONTROL": "tcp://ctl:5555", "TORCHPASS_SECRET_FILE": "/run/secret",
+           "TORCHPASS_ROLE": "active", "TORCHPASS_JOB_ID": "42", "TORCHPASS_NODE": "c2",
+           "TORCHPASS_EPOCH": "3", "TORCHPASS_NTASKS_PER_NODE": "1", "SLURM_LOCALID": "0",
+           "TORCHPASS_RANK_BASE": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "c1", "MASTER_PORT": "1"}
+    return runtime.init(env, client_factory=lambda *_: client,
+                        config=SupervisorConfig(heartbeat_interval=0.01))
+
+
+def test_runtime_close_stops_its_agent(health_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    simulate(health_env)  # healthy: the agent would check forever
+    monkeypatch.setenv("TORCHPASS_HEALTH_INTERVAL", "0.01")
+    before = set(health_threads())
+    rt = active_runtime(FakeClient())
+    try:
+        assert len(set(health_threads()) - before) == 1
+        time.sleep(0.05)  # a few checks
+    finally:
+        rt.close()
+    assert set(health_threads()) <= before
+
+
+def test_the_runtime_passes_its_report_to_the_agent(health_env: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    simulate(health_env, temperature_c=86)
+    monkeypatch.setenv("TORCHPASS_HEALTH_INTERVAL", "0.01")
+    client = FakeClient()
+    rt = active_runtime(client)
+    try:
+        wait_for(lambda: any(kind == "report" for kind, _ in client.sent))
+    finally:
+        rt.close()
+    [report] = [body for kind, body in client.sent if kind == "report"]
+    assert report["event"] == "health_warning" and report["fields"]["node"] == "c2"
+    assert report["fields"]["rank"] == 0
