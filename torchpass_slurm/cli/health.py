@@ -9,7 +9,6 @@ moved, else 0.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-from torchpass_slurm.cli.app import App, pass_app, render_error
+from torchpass_slurm.cli.app import App, pass_app, render_error, write_traceback
 from torchpass_slurm.errors import ConfigError, TorchpassError
 
 if TYPE_CHECKING:
@@ -25,8 +24,6 @@ if TYPE_CHECKING:
     from torchpass_slurm.health.install import InstallFile
     from torchpass_slurm.health.run import HealthReport
     from torchpass_slurm.slurm import SlurmBackend
-
-logger = logging.getLogger(__name__)
 
 SOURCE_CHOICES = ("auto", "nvml", "amdsmi", "simulated")
 _STYLE = {"OK": "green", "WARNING": "yellow", "CRITICAL": "bold red", "UNKNOWN": "magenta"}
@@ -132,8 +129,10 @@ def _hook(config_path: str | None, source: str | None, node: str | None,
         notify(f"torchpass: health check not run: {err.message} (node not drained)")
         raise SystemExit(broken_exit)
     except Exception as err:  # deliberately broad: a bug in the check must not drain the node or fail a job
-        logger.debug("health check broke", exc_info=True)
-        notify(f"torchpass: health check broke: {type(err).__name__}: {err} (node not drained)")
+        prog, *argv = click.get_current_context().command_path.split()
+        log = write_traceback(err, prog, argv)
+        where = f"traceback in {log}" if log is not None else "the traceback could not be written"
+        notify(f"torchpass: health check broke: {type(err).__name__}: {err}; {where} (node not drained)")
         raise SystemExit(broken_exit)
     code, message = decide(config, report)
     if message:

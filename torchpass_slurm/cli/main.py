@@ -67,16 +67,17 @@ class LazyGroup(click.Group):
 @click.version_option(__version__, "-V", "--version", prog_name="torchpass-slurm")
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 @click.option("-q", "--quiet", is_flag=True, help="Only errors on stderr.")
+@click.option("--debug", is_flag=True, help="On an internal error, show its traceback on stderr too.")
 @click.pass_context
-def cli(ctx: click.Context, verbose: int, quiet: bool) -> None:
+def cli(ctx: click.Context, verbose: int, quiet: bool, debug: bool) -> None:
     """torchpass-slurm: hot spares and live migration for PyTorch training on Slurm.
 
     Submit with `tp-submit` (a drop-in for sbatch that adds --spares); inspect
     and operate jobs and nodes with the commands below.
     """
-    app = App(verbose=verbose, quiet=quiet)
+    app = ctx.ensure_object(App)  # run_cli's, which reads app.debug after an error
+    app.verbose, app.quiet, app.debug = verbose, quiet, debug
     app.configure_logging()
-    ctx.obj = app
 
 
 def main() -> None:

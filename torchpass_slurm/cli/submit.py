@@ -66,6 +66,8 @@ tp-submit's options:
   --dry-run           print the sbatch command and the batch script;
                       submit nothing, create nothing
   --parsable          print only the job id (as sbatch --parsable)
+  --debug             on an internal error, show its traceback on stderr
+                      too (it is always written to a log file)
   -h, --help          show this message
 
 \b
@@ -160,6 +162,7 @@ def _check(
 @pass_app
 def tp_submit(app: App, argv: tuple[str, ...]) -> None:
     request = parse_submit_args(argv)
+    app.debug = request.has("debug")
     if request.help:
         click.echo(click.get_current_context().get_help())
         return

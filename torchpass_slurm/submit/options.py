@@ -73,6 +73,7 @@ SBATCH_OPTIONS: dict[str, tuple[str, str]] = {
 #: tp-submit's own options: on the command line, and the first two in ``#TP`` lines.
 TP_OPTIONS: dict[str, tuple[str, str]] = _table("spares run-dir dry-run", REQUIRED)
 TP_OPTIONS["dry-run"] = ("", FLAG)
+TP_OPTIONS["debug"] = ("", FLAG)
 #: The options a ``#TP`` line may hold.
 TP_LINE_OPTIONS = {name: TP_OPTIONS[name] for name in ("spares", "run-dir")}
 #: Everything tp-submit's command line may hold.

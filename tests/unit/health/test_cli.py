@@ -96,6 +96,24 @@ def test_a_source_that_exits_never_ends_the_prolog(
     assert slurm.calls == []
 
 
+@pytest.mark.parametrize(("hook", "code"), [("prolog", 0), ("epilog", 0), ("node-check", 3)])
+def test_a_bug_in_a_hook_leaves_the_node_alone(
+        sim: Sim, slurm: FakeSlurm, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, hook: str, code: int) -> None:
+    from torchpass_slurm.cli import health as health_cli
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(health_cli, "_evaluate", broken)
+    result = tp("health", hook)
+    [log] = (tmp_path / "cache" / "torchpass-slurm").iterdir()
+    assert result == (code, "", f"torchpass: health check broke: RuntimeError: boom; traceback in {log} "
+                                "(node not drained)\n")
+    assert f"command: tp health {hook}\n" in log.read_text()
+    assert slurm.calls == []
+
+
 def test_prolog_ok_is_quiet(sim: Sim, slurm: FakeSlurm) -> None:
     assert tp("health", "prolog") == (0, "", "")
     assert tp("health", "epilog") == (0, "", "")
