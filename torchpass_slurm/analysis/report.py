@@ -2,13 +2,13 @@
 
 Pure: :func:`analyse` turns a list of :class:`~torchpass_slurm.events.Event`
 into a :class:`JobReport`: its faults, each with its class, its recovery's
-resolution and steps, and the recovery-time split (:class:`Phases`); the
-``format_*`` functions give a fault's cells. The totals over jobs, the summary
-line and the JSON documents are in :mod:`torchpass_slurm.analysis.report_totals`.
-Nothing here reads files or imports rich (the command in
-:mod:`torchpass_slurm.cli.report` does).
+resolution and steps, and the recovery-time split (:class:`Phases`). The
+totals over jobs, the summary line and the JSON documents are in
+:mod:`torchpass_slurm.analysis.report_totals`. Nothing here reads files or
+imports rich: the command in :mod:`torchpass_slurm.cli.report` does, and draws
+the cells and the legend (``tp report --explain``, a short form of the rules).
 
-The rules (also printed under the table, :data:`RULES`):
+The rules:
 
 * **Classes.** Every fault has one class (:data:`CLASSES`):
 
@@ -73,7 +73,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any
 
 from torchpass_slurm import events as ev
@@ -83,15 +82,11 @@ __all__ = [
     "CLASSES",
     "PHASES",
     "RESOLUTIONS",
-    "RULES",
     "Fault",
     "JobReport",
     "Phases",
     "SpareFault",
     "analyse",
-    "format_seconds",
-    "format_steps",
-    "format_time",
     "is_detection",
 ]
 
@@ -107,23 +102,6 @@ CLASSES = ("unplanned", "pre-emptive", "planned")
 PRE_EMPTIVE_REASON = "torchpass: pre-emptive"
 #: Resolution classes, in the order they are reported; None is "unresolved".
 RESOLUTIONS: tuple[str | None, ...] = ("live", "checkpoint", "elastic", "deferred", "fatal", None)
-
-#: The footnote printed under every human report.
-RULES = (
-    "A fault is unplanned (the first detection -- heartbeat_lost, node_down, step_exited with exit code "
-    "!= 0 -- of an active node; more in one recovery count once), pre-emptive (a drain after the node's "
-    "health_warning, or with the reason \"torchpass: pre-emptive\") or planned (another drain); a drain "
-    "counts once migrated (migration_started mode=planned) or deferred (drain_deferred: nothing lost). "
-    "Resolution: deferred, else migration_done.resolution, else restarted from a checkpoint -> "
-    "checkpoint, else failed -> fatal. Phases (s): detect = last heartbeat -> detected (none for a "
-    "drain, detected at drain_seen or health_warning), decide = -> migration_started, rebuild = -> last "
-    "group_rebuilt, agree = -> agreement, transfer = -> last transfer_done, first step = -> first_step; "
-    "total = detected -> first_step; - = not in the log. Lost = committed steps lost "
-    "(migration_done.lost_steps), unknown when the log does not say; lost and recomputed steps are per "
-    "recovery, in the class of its first fault. No lost progress = lost == 0, per class and over all. "
-    "Spare faults cost no progress. Times are UTC."
-)
-
 
 # --- results ------------------------------------------------------------------
 
@@ -484,24 +462,6 @@ def _interval(start: float | None, end: float | None) -> float | None:
     if start is None or end is None or end < start:
         return None
     return end - start
-
-
-# --- text ---------------------------------------------------------------------
-
-
-def format_time(ts: float) -> str:
-    """``05:05:36`` (UTC)."""
-    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%H:%M:%S")
-
-
-def format_seconds(seconds: float | None) -> str:
-    """``1.25``; None -> ``-``."""
-    return "-" if seconds is None else f"{seconds:.2f}"
-
-
-def format_steps(steps: int | None) -> str:
-    """A step count; None -> ``unknown``."""
-    return "unknown" if steps is None else str(steps)
 
 
 def _round(value: float | None) -> float | None:

@@ -3,8 +3,9 @@
 The analysis of a job is :mod:`torchpass_slurm.analysis.report` (pure, its docstring
 states the rules), the totals over jobs :mod:`torchpass_slurm.analysis.report_totals`;
 this module finds the run folders (a folder of run folders stands for all of
-them: a fleet), reads the event logs and draws the tables. rich is imported
-only inside functions: ``tp --help`` stays instant.
+them: a fleet), reads the event logs and draws the tables, and with ``--explain``
+the :data:`LEGEND` under them (the same text is in docs/user-guide.md). rich is
+imported only inside functions: ``tp --help`` stays instant.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import json
 import logging
 import textwrap
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
-from torchpass_slurm.analysis.report import RULES, JobReport, analyse, format_seconds, format_steps, format_time
+from torchpass_slurm.analysis.report import JobReport, analyse
 from torchpass_slurm.analysis.report_totals import (
     ClassSummary,
     Summary,
@@ -50,6 +52,22 @@ CLASS_COLUMNS = ("CLASS", "EVENTS", "NO LOST PROGRESS", "SHARE", "LIVE", "CHECKP
 TOTAL_COLUMNS = ("RESOLUTION", "FAULTS", "RECOVERIES", "LOST", "RECOMPUTED")
 #: Width a table is measured in before it is printed (wider than any table).
 UNBOUNDED_WIDTH = 10_000
+
+#: How to read the tables: printed under them with ``--explain`` (and in docs/user-guide.md).
+LEGEND = (
+    "A fault is unplanned (the first detection -- heartbeat_lost, node_down, step_exited with exit code "
+    "!= 0 -- of an active node; more in one recovery count once), pre-emptive (a drain after the node's "
+    "health_warning, or with the reason \"torchpass: pre-emptive\") or planned (another drain); a drain "
+    "counts once migrated (migration_started mode=planned) or deferred (drain_deferred: nothing lost). "
+    "Resolution: deferred, else migration_done.resolution, else restarted from a checkpoint -> "
+    "checkpoint, else failed -> fatal. Phases (s): detect = last heartbeat -> detected (none for a "
+    "drain, detected at drain_seen or health_warning), decide = -> migration_started, rebuild = -> last "
+    "group_rebuilt, agree = -> agreement, transfer = -> last transfer_done, first step = -> first_step; "
+    "total = detected -> first_step; - = not in the log. Lost = committed steps lost "
+    "(migration_done.lost_steps), unknown when the log does not say; lost and recomputed steps are per "
+    "recovery, in the class of its first fault. No lost progress = lost == 0, per class and over all. "
+    "Spare faults cost no progress. Times are UTC."
+)
 
 
 def load_reports(args: Sequence[str]) -> list[JobReport]:
@@ -166,14 +184,18 @@ def sections(reports: Sequence[JobReport], *, totals_only: bool = False) -> list
     return parts
 
 
-def print_report(console: Console, reports: Sequence[JobReport], *, totals_only: bool = False) -> None:
-    """The sections, each as wide as its table needs, then the rules at the console's width."""
+def print_report(console: Console, reports: Sequence[JobReport], *, totals_only: bool = False,
+                 explain: bool = False) -> None:
+    """The sections, each as wide as its table needs, a blank line apart; with ``explain`` the legend."""
     from rich.text import Text
 
-    for part in sections(reports, totals_only=totals_only):
+    for i, part in enumerate(sections(reports, totals_only=totals_only)):
+        if i:
+            console.print()
         print_wide(console, part)
+    if explain:
         console.print()
-    console.print(Text(textwrap.fill(RULES, width=console.width), style="dim"), soft_wrap=True)
+        console.print(Text(textwrap.fill(LEGEND, width=console.width), style="dim"), soft_wrap=True)
 
 
 def print_wide(console: Console, renderable: RenderableType) -> None:
@@ -212,6 +234,21 @@ def _table(columns: Sequence[str], rows: Sequence[Sequence[str]], numeric_from: 
     return table
 
 
+def format_time(ts: float) -> str:
+    """``05:05:36`` (UTC)."""
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%H:%M:%S")
+
+
+def format_seconds(seconds: float | None) -> str:
+    """``1.25``; None -> ``-``."""
+    return "-" if seconds is None else f"{seconds:.2f}"
+
+
+def format_steps(steps: int | None) -> str:
+    """A step count; None -> ``unknown``."""
+    return "unknown" if steps is None else str(steps)
+
+
 def _step_cells(totals: Totals) -> tuple[str, str]:
     """The LOST and RECOMPUTED cells of a totals row."""
     return (_steps_total(totals.lost_steps, totals.lost_steps_unknown, totals.recoveries),
@@ -231,18 +268,19 @@ def _steps_total(known: int, unknown: int, recoveries: int) -> str:
               help="Print faults[] and summary{} as JSON (several jobs: jobs[] and totals{}).")
 @click.option("--totals-only", is_flag=True,
               help="Print only the totals (per fault class and per resolution), not each job.")
+@click.option("--explain", is_flag=True, help="Print under the report how to read it (the rules).")
 @pass_app
-def report(app: App, jobs_or_run_dirs: tuple[str, ...], as_json: bool, totals_only: bool) -> None:
+def report(app: App, jobs_or_run_dirs: tuple[str, ...], as_json: bool, totals_only: bool, explain: bool) -> None:
     """Show every fault of a job, how it was resolved, and the recovery-time split.
 
     JOB_OR_RUN_DIR is a Slurm job id submitted with tp-submit, the job's run
     folder, or a folder of run folders (e.g. /shared/runs: every run folder in
     it). With several jobs come totals per fault class (unplanned, pre-emptive,
-    planned) and per resolution. Times are UTC; phases are in seconds; the
-    rules are printed under the report.
+    planned) and per resolution. Times are UTC; phases are in seconds;
+    --explain prints the rules under the report.
     """
     reports = load_reports(jobs_or_run_dirs)
     if as_json:
         click.echo(json.dumps(report_json(reports, totals_only=totals_only), indent=2, sort_keys=True))
         return
-    print_report(app.console, reports, totals_only=totals_only)
+    print_report(app.console, reports, totals_only=totals_only, explain=explain)

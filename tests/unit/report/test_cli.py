@@ -10,7 +10,8 @@ from tests.unit.cli.conftest import tp
 
 from .conftest import checkpoint_restart, fatal, two_live_migrations
 
-RULES = """\
+#: ``tp report --explain``'s legend at 100 columns.
+LEGEND = """\
 A fault is unplanned (the first detection -- heartbeat_lost, node_down, step_exited with exit code
 != 0 -- of an active node; more in one recovery count once), pre-emptive (a drain after the node's
 health_warning, or with the reason "torchpass: pre-emptive") or planned (another drain); a drain
@@ -45,8 +46,14 @@ job 4242  {log.run_dir}
 2   05:06:47   unplanned   n3     node_down        live            0            3     2.00     0.25      0.75    0.25       1.00         0.50    2.75
 2 of 2 faults resolved by live migration with 0 committed steps lost (100% with no lost progress)
 1 spare lost on standby (no progress lost): s9 (spare_lost)
+""", "")
+    assert "A fault is unplanned" not in tp("report", str(log.run_dir)).out
 
-{RULES}""", "")
+
+def test_explain_prints_the_legend_under_the_report(job_log: Any) -> None:
+    log = two_live_migrations(job_log())
+    plain = tp("report", str(log.run_dir))
+    assert tp("report", "--explain", str(log.run_dir)) == (0, f"{plain.out}\n{LEGEND}", "")
 
 
 def test_several_jobs_with_totals(job_log: Any) -> None:
@@ -56,10 +63,10 @@ def test_several_jobs_with_totals(job_log: Any) -> None:
     outcome = tp("report", str(a.run_dir), str(b.run_dir), str(c.run_dir))
     assert outcome.code == 0
     assert outcome.err == ""
-    sections = outcome.out.split("\n\n")
+    assert outcome.out.endswith("progress)\n")  # the last section's last line: no legend under it
+    sections = outcome.out[:-1].split("\n\n")
     assert [s.splitlines()[0] for s in sections] == [
-        f"job 4242  {a.run_dir}", f"job 4243  {b.run_dir}", f"job 4244  {c.run_dir}", "totals",
-        RULES.splitlines()[0]]
+        f"job 4242  {a.run_dir}", f"job 4243  {b.run_dir}", f"job 4244  {c.run_dir}", "totals"]
     assert sections[1].splitlines()[3:] == [
         "1   05:06:17   unplanned   n2     heartbeat_lost   checkpoint   unknown      unknown        -        -"
         "         -       -          -            -       -",
@@ -94,8 +101,7 @@ def test_a_job_without_faults(job_log: Any) -> None:
     assert tp("report", str(log.run_dir)) == (0, f"""\
 job 4242  {log.run_dir}
 no faults on active nodes
-
-{RULES}""", "")
+""", "")
 
 
 def test_json_of_one_job(job_log: Any) -> None:
