@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from torchpass_slurm.errors import RunDirError
 from torchpass_slurm.events import EVENTS_FILE
-from torchpass_slurm.submit import RUN_DIR_COMMENT_PREFIX
+from torchpass_slurm.submit.render import RUN_DIR_COMMENT_PREFIX
 from torchpass_slurm.supervisor.status import STATUS_FILE
 
 if TYPE_CHECKING:
