@@ -54,7 +54,7 @@ def build_supervisor(*, job_id: int, command: Sequence[str], spares: int, ntasks
                             launcher=launcher, server=server, slurm=slurm, events=events,
                             config=cfg.SupervisorConfig(),
                             store=(host, store.port) if store is not None else ("", 0),
-                            recovery=recovery)
+                            recovery=recovery, batch_host=host)
     supervisor.keepalive = store  # the store lives as long as the supervisor
     return supervisor
 

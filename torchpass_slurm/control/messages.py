@@ -32,6 +32,7 @@ See ``docs/protocol.md`` for the protocol as a whole.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import json
@@ -48,6 +49,8 @@ from torchpass_slurm.errors import AuthenticationError, ControlPlaneError
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "Kind",
+    "ReportKind",
     "HELLO",
     "HEARTBEAT",
     "STANDBY",
@@ -74,20 +77,59 @@ __all__ = [
 ]
 
 # --- kinds --------------------------------------------------------------------
-# worker -> supervisor
-HELLO = "hello"
-HEARTBEAT = "heartbeat"
-STANDBY = "standby"
-BYE = "bye"
-#: a rank reports a fact for the event log or a failed collective (body: event, fields)
-REPORT = "report"
-# supervisor -> worker
-PROMOTE = "promote"
-STOP = "stop"
-#: survivors of a fault: rebuild the process group for a new epoch (live migration)
-RECONFIGURE = "reconfigure"
-# both ways: acknowledges the message with sequence number body["seq"]
-ACK = "ack"
+
+
+class Kind(str, enum.Enum):
+    """The kind of a control message (frame 1's ``kind``)."""
+
+    # worker -> supervisor
+    HELLO = "hello"
+    HEARTBEAT = "heartbeat"
+    STANDBY = "standby"
+    BYE = "bye"
+    #: a rank reports a fact for the event log or a failed collective (body: event, fields)
+    REPORT = "report"
+    # supervisor -> worker
+    PROMOTE = "promote"
+    STOP = "stop"
+    #: survivors of a fault: rebuild the process group for a new epoch (live migration)
+    RECONFIGURE = "reconfigure"
+    # both ways: acknowledges the message with sequence number body["seq"]
+    ACK = "ack"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ReportKind(str, enum.Enum):
+    """The ``event`` of a REPORT: what a rank tells the supervisor (see docs/protocol.md)."""
+
+    #: its training runs the elastic loop (it can rebuild its group in place)
+    LIVE_READY = "live_ready"
+    #: a collective failed (a peer died, or the network broke); it waits for a reconfigure
+    COLLECTIVE_FAILED = "collective_failed"
+    #: the new epoch's process group is up (seconds=)
+    GROUP_REBUILT = "group_rebuilt"
+    #: rank 0: the committed step every rank now holds (committed_step=, donors=, receivers=)
+    AGREEMENT = "agreement"
+    #: a receiver: the state arrived (donor=, bytes=, seconds=, retries=)
+    TRANSFER_DONE = "transfer_done"
+    #: rank 0: the first step of the new epoch committed (step=)
+    FIRST_STEP = "first_step"
+    #: a rank of a drained node handed over and left the job
+    RELEASED = "released"
+    #: rank 0 resumed from a checkpoint after a restart (step=)
+    RESUMED = "resumed"
+    #: the node's in-job health agent saw WARNING or CRITICAL (status=, summary=)
+    HEALTH_WARNING = "health_warning"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+HELLO, HEARTBEAT, STANDBY, BYE, REPORT = (Kind.HELLO, Kind.HEARTBEAT, Kind.STANDBY, Kind.BYE,
+                                          Kind.REPORT)
+PROMOTE, STOP, RECONFIGURE, ACK = Kind.PROMOTE, Kind.STOP, Kind.RECONFIGURE, Kind.ACK
 
 #: Kinds a worker may send (the supervisor accepts only these).
 WORKER_KINDS: frozenset[str] = frozenset({HELLO, HEARTBEAT, STANDBY, BYE, REPORT, ACK})

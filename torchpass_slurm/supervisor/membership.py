@@ -143,30 +143,51 @@ class Membership:
         Raises NoSpareError when the pool is empty, MembershipError when the
         node is not active.
         """
-        slot = self.slot_of(failed_node)
-        if not self.spares:
-            raise NoSpareError(
-                f"active node {failed_node!r} (ranks {self.ranks_of(failed_node).start}-"
-                f"{self.ranks_of(failed_node).stop - 1}) failed and no spare is left",
-                hint="the job must fall back to checkpoint-restart; ask for more spares "
-                "(tp-submit --spares) next time",
-            )
-        spare, rest = self.spares[0], self.spares[1:]
-        active = self.active[:slot] + (spare,) + self.active[slot + 1 :]
-        return Membership(
-            self.epoch + 1, self.ntasks_per_node, active, rest, self.failed + (failed_node,)
-        )
+        return self.replace_all([failed_node])
+
+    def replace_all(self, failed_nodes: Sequence[str], *, epoch: int | None = None) -> Membership:
+        """Promote spares, in pool order, into the failed nodes' slots (in the given order).
+
+        One membership change: the epoch becomes ``epoch`` (default: the next
+        one). Raises NoSpareError when the pool runs out, MembershipError when
+        a node is not active.
+        """
+        active, spares, failed = list(self.active), list(self.spares), list(self.failed)
+        for node in failed_nodes:
+            slot = self.slot_of(node)
+            if not spares:
+                ranks = self.ranks_of(node)
+                raise NoSpareError(
+                    f"active node {node!r} (ranks {ranks.start}-{ranks.stop - 1}) failed and no "
+                    "spare is left",
+                    hint="the job must fall back to checkpoint-restart; ask for more spares "
+                    "(tp-submit --spares) next time",
+                )
+            active[slot] = spares.pop(0)
+            failed.append(node)
+        return Membership(self.epoch + 1 if epoch is None else epoch, self.ntasks_per_node,
+                          tuple(active), tuple(spares), tuple(failed))
 
     def drop_spare(self, node: str) -> Membership:
         """A spare died on standby: remove it from the pool; the next epoch."""
-        if node not in self.spares:
-            raise MembershipError(
-                f"node {node!r} is not a spare: {self._describe(node)} in epoch {self.epoch}"
-            )
-        spares = tuple(s for s in self.spares if s != node)
+        return self.without_spares([node])
+
+    def without_spares(self, nodes: Sequence[str]) -> Membership:
+        """Spares that died or were drained leave the pool (one change: the next epoch)."""
+        for node in nodes:
+            if node not in self.spares:
+                raise MembershipError(
+                    f"node {node!r} is not a spare: {self._describe(node)} in epoch {self.epoch}"
+                )
+        spares = tuple(s for s in self.spares if s not in nodes)
         return Membership(
-            self.epoch + 1, self.ntasks_per_node, self.active, spares, self.failed + (node,)
+            self.epoch + 1, self.ntasks_per_node, self.active, spares, self.failed + tuple(nodes)
         )
+
+    def next_epoch(self, after: int | None = None) -> Membership:
+        """The same members in the epoch after ``after`` (default: this one)."""
+        return Membership((self.epoch if after is None else after) + 1, self.ntasks_per_node,
+                          self.active, self.spares, self.failed)
 
     # --- JSON --------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import subprocess
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from torchpass_slurm import config as cfg
 from torchpass_slurm.supervisor.membership import Membership
@@ -87,6 +88,14 @@ class WorkerStep:
         return None if hb is None else now - hb
 
 
+class Clock(Protocol):
+    """Wall and monotonic time (``time`` is one; the tests pass a virtual clock)."""
+
+    def time(self) -> float: ...
+
+    def monotonic(self) -> float: ...
+
+
 def master_port(job_id: int, epoch: int) -> int:
     """The rendezvous port of an epoch: a new one every epoch, spread by job id."""
     return 20000 + (job_id * 97) % 20000 + epoch % 1000
@@ -96,8 +105,10 @@ class StepLauncher:
     """Starts and stops the per-node steps of one job."""
 
     def __init__(self, slurm: SlurmBackend, *, job_id: int, command: Sequence[str],
-                 control_endpoint: str, base_env: Mapping[str, str]) -> None:
+                 control_endpoint: str, base_env: Mapping[str, str],
+                 clock: Clock = time) -> None:
         self.slurm = slurm
+        self.clock = clock
         self.job_id = job_id
         self.command = tuple(command)
         self.control_endpoint = control_endpoint
@@ -129,19 +140,18 @@ class StepLauncher:
                     process.pid)
         return WorkerStep(node=node, role=role, epoch=membership.epoch,
                           ntasks=membership.ntasks_per_node, process=process,
-                          started=time.time())
+                          started=self.clock.time())
 
-    @staticmethod
-    def stop(steps: Iterable[WorkerStep], timeout: float) -> None:
+    def stop(self, steps: Iterable[WorkerStep], timeout: float) -> None:
         """SIGTERM every step's srun (srun forwards it to the tasks); SIGKILL after ``timeout``."""
         pending = [s for s in steps if s.poll() is None]
         for s in pending:
             if s.state != WorkerState.LOST:
                 s.state = WorkerState.STOPPING
             _signal(s.process, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
+        deadline = self.clock.monotonic() + timeout
         for s in pending:
-            remaining = max(0.0, deadline - time.monotonic())
+            remaining = max(0.0, deadline - self.clock.monotonic())
             try:
                 s.process.wait(timeout=remaining)
             except subprocess.TimeoutExpired:

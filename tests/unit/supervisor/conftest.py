@@ -10,9 +10,6 @@ from typing import Any
 import pytest
 
 from torchpass_slurm import events as ev
-from torchpass_slurm.supervisor import recovery as migration_mod
-from torchpass_slurm.supervisor import loop as sup_mod
-from torchpass_slurm.supervisor import workers as workers_mod
 from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.supervisor.membership import Membership
@@ -74,25 +71,22 @@ class Harness:
 
 
 @pytest.fixture
-def make(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Harness]:
+def make(tmp_path: Path) -> Callable[..., Harness]:
     def build(*, active: int = 3, spares: int = 1, ntasks: int = 1, train_s: float | None = 8.0,
               config: SupervisorConfig = CONFIG) -> Harness:
         clock = VirtualClock()
-        monkeypatch.setattr(sup_mod, "time", clock)
-        monkeypatch.setattr(migration_mod, "time", clock)
-        monkeypatch.setattr(workers_mod, "time", clock)
         nodes = [f"c{i}" for i in range(1, active + spares + 1)]
         slurm = FakeSlurm(clock, nodes)
         server = FakeServer(clock)
         world = World(clock, server, slurm, train_s=train_s)
-        launcher = FakeLauncher(slurm, job_id=JOB_ID)
+        launcher = FakeLauncher(slurm, clock, job_id=JOB_ID)
         run_dir = tmp_path / "run"
         run_dir.mkdir()
         events = ev.EventLog(run_dir / ev.EVENTS_FILE, job=str(JOB_ID), clock=clock.time)
         supervisor = Supervisor(job_id=JOB_ID, run_dir=run_dir,
                                 membership=Membership.initial(nodes, active, ntasks),
                                 launcher=launcher, server=server, slurm=slurm,  # type: ignore[arg-type]
-                                events=events, config=config)
+                                events=events, config=config, clock=clock)
         return Harness(clock, slurm, server, world, launcher, supervisor, run_dir)
 
     return build

@@ -186,15 +186,15 @@ class FakeSlurm:
 class FakeLauncher(StepLauncher):
     """The real StepLauncher on FakeSlurm, recording every stop: (nodes, timeout)."""
 
-    def __init__(self, slurm: FakeSlurm, *, job_id: int) -> None:
+    def __init__(self, slurm: FakeSlurm, clock: VirtualClock, *, job_id: int) -> None:
         super().__init__(slurm, job_id=job_id, command=("python", "train.py"),  # type: ignore[arg-type]
-                         control_endpoint="tcp://batch:5555", base_env={})
+                         control_endpoint="tcp://batch:5555", base_env={}, clock=clock)
         self.stops: list[tuple[list[str], float]] = []
 
-    def stop(self, steps: Iterable[WorkerStep], timeout: float) -> None:  # type: ignore[override]
+    def stop(self, steps: Iterable[WorkerStep], timeout: float) -> None:
         steps = list(steps)
         self.stops.append(([s.node for s in steps], timeout))
-        StepLauncher.stop(steps, timeout)
+        super().stop(steps, timeout)
 
 
 @dataclass(frozen=True)

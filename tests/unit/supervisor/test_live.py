@@ -38,7 +38,8 @@ def live(make: Callable[..., Harness]) -> Live:
         old = h.supervisor
         supervisor = Supervisor(job_id=JOB_ID, run_dir=h.run_dir, membership=old.membership,
                                 launcher=old.launcher, server=old.server, slurm=old.slurm,
-                                events=old.events, config=old.config, store=STORE, recovery=recovery)
+                                events=old.events, config=old.config, store=STORE, recovery=recovery,
+                                clock=h.clock)
         h = dataclasses.replace(h, supervisor=supervisor)
         return h, ElasticRanks(h.world, elastic, agreed_lag=agreed_lag)
     return build

@@ -1,0 +1,127 @@
+"""The fault and recovery vocabulary: one set of names for the supervisor, the event log and the report.
+
+A :class:`Fault` is what a detector saw (``detector``) on one node. Its
+:class:`FaultClass` says how it came::
+
+    detector            class         seen by
+    step_exited         unplanned     the node's srun step ended with an error
+    heartbeat_lost      unplanned     its ranks went silent past the heartbeat timeout
+    startup_timeout     unplanned     a started step never said hello
+    node_down           unplanned     Slurm reports the node DOWN / FAIL / NOT_RESPONDING
+    node_gone           unplanned     Slurm no longer lists the node in the job
+    collective_failed   unplanned     a rank's collective failed (the culprit is found by settling)
+    health_warning      pre-emptive   the node's in-job health agent saw WARNING / CRITICAL
+    drain               planned       an admin drained the node (``scontrol``, ``tp drain``)
+
+A :class:`Recovery` names what the supervisor did about it; its value is the
+``mode`` of the ``migration_started`` event. A :class:`Resolution` names how
+a fault ended; its value is the ``resolution`` of ``migration_done`` (live,
+regroup, checkpoint) or what the report concludes (deferred, fatal). The
+``--recovery`` option of ``tp run`` is a :class:`RecoveryPolicy`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["Detector", "FaultClass", "Fault", "Recovery", "Resolution", "RecoveryPolicy",
+           "NODE_LOSS", "NODE_UNTRUSTED"]
+
+
+class Detector(str, enum.Enum):
+    """Which detector saw a fault first."""
+
+    STEP_EXITED = "step_exited"
+    HEARTBEAT_LOST = "heartbeat_lost"
+    STARTUP_TIMEOUT = "startup_timeout"
+    NODE_DOWN = "node_down"
+    NODE_GONE = "node_gone"
+    COLLECTIVE_FAILED = "collective_failed"
+    HEALTH_WARNING = "health_warning"
+    DRAIN = "drain"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class FaultClass(str, enum.Enum):
+    """How a fault came: it struck, it was foreseen, or it was asked for."""
+
+    UNPLANNED = "unplanned"
+    PRE_EMPTIVE = "pre-emptive"
+    PLANNED = "planned"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Detectors whose fault means the node's step is lost (its ranks must move).
+NODE_LOSS = frozenset({Detector.STEP_EXITED, Detector.HEARTBEAT_LOST, Detector.STARTUP_TIMEOUT,
+                       Detector.NODE_DOWN, Detector.NODE_GONE})
+#: Detectors after which the node itself is not to be trusted: it is taken out of the job.
+NODE_UNTRUSTED = frozenset({Detector.HEARTBEAT_LOST, Detector.NODE_DOWN})
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A typed fault: what ``detector`` saw on ``node``, in words (``detail``)."""
+
+    node: str
+    detector: Detector
+    detail: str
+    exit_code: int | None = None
+
+    @property
+    def fault_class(self) -> FaultClass:
+        if self.detector == Detector.DRAIN:
+            return FaultClass.PLANNED
+        if self.detector == Detector.HEALTH_WARNING:
+            return FaultClass.PRE_EMPTIVE
+        return FaultClass.UNPLANNED
+
+    @property
+    def loses_node(self) -> bool:
+        """The node's step is lost (as opposed to a warning, a drain or a failed collective)."""
+        return self.detector in NODE_LOSS
+
+
+class Recovery(str, enum.Enum):
+    """What the supervisor does about faults (``migration_started``'s ``mode``)."""
+
+    #: a spare takes each lost slot; survivors rebuild their group in place; a replica sends the state
+    LIVE = "live"
+    #: a drained node's ranks hand over to a spare at a step boundary; the node leaves the job
+    PLANNED = "planned"
+    #: spares take the lost slots; every other step is relaunched; all resume from the checkpoint
+    RESTART = "restart"
+    #: no spare left but the nodes are usable: every step relaunched in place from the checkpoint
+    RESTART_IN_PLACE = "restart-in-place"
+    #: a collective failed and nobody is lost: the same ranks rebuild their group
+    REGROUP = "regroup"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Resolution(str, enum.Enum):
+    """How a fault ended, as the event log and the report name it."""
+
+    LIVE = "live"
+    REGROUP = "regroup"
+    CHECKPOINT = "checkpoint"
+    DEFERRED = "deferred"
+    FATAL = "fatal"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RecoveryPolicy(str, enum.Enum):
+    """``tp run --recovery``: live migration where it can, or always a checkpoint restart."""
+
+    LIVE = "live"
+    RESTART = "restart"
+
+    def __str__(self) -> str:
+        return self.value

@@ -1,0 +1,224 @@
+"""The recovery planner: faults plus membership in, one typed :class:`Plan` out. Pure.
+
+Every recovery decision of the supervisor is made here, in
+:func:`plan_recovery`; the loop (:mod:`.loop`) only gathers the facts and
+carries the plan out. The decision, for the faults of one detection::
+
+    fault class    the node is      and                                       plan
+    unplanned      a spare          -                                         drop the spare
+    unplanned      active           every survivor on the elastic loop,       live migration
+                                    a store, --recovery live, a spare each
+    unplanned      active           enough spares (else: the lost steps       restart on spares
+                                    were crashes on nodes Slurm calls usable)  (restart in place)
+    unplanned      active           no spare, a node dead, or too many        give up
+                                    in-place restarts
+    unplanned      - (a collective failed and the settle blamed nobody)       regroup
+    pre-emptive    active           -                                         drain it (its drain moves it)
+    planned        a spare          -                                         drop the spare
+    planned        active           not the batch host, live migration        planned migration
+                                    possible
+    planned        active           the batch host, or no live migration      defer (to the job's end)
+
+A spare lost together with an active node is dropped by the same plan. A
+plan that changes the membership moves it to the next epoch, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from torchpass_slurm.faults import (
+    NODE_UNTRUSTED,
+    Detector,
+    Fault,
+    FaultClass,
+    Recovery,
+    RecoveryPolicy,
+)
+from torchpass_slurm.supervisor.membership import Membership
+
+__all__ = ["Action", "Plan", "Policy", "WorkerFacts", "plan_recovery"]
+
+#: With no spare left, how often a job may restart in place (a crash that repeats is a bug).
+MAX_IN_PLACE_RESTARTS = 3
+
+
+class Action(str, enum.Enum):
+    """What a plan does. The first five are :class:`~torchpass_slurm.faults.Recovery` modes."""
+
+    LIVE = Recovery.LIVE.value
+    PLANNED = Recovery.PLANNED.value
+    RESTART = Recovery.RESTART.value
+    RESTART_IN_PLACE = Recovery.RESTART_IN_PLACE.value
+    REGROUP = Recovery.REGROUP.value
+    DROP_SPARE = "drop-spare"
+    DRAIN = "drain"
+    DEFER = "defer"
+    GIVE_UP = "give-up"
+    NOTHING = "nothing"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def recovery(self) -> Recovery | None:
+        """The recovery mode this action starts (``migration_started``'s mode), if any."""
+        try:
+            return Recovery(self.value)
+        except ValueError:
+            return None
+
+
+@dataclass(frozen=True)
+class WorkerFacts:
+    """What the planner needs to know of one node's step."""
+
+    #: its ranks run the elastic loop (they reported live_ready)
+    live: bool = False
+    #: its step is running (all its tasks said hello)
+    running: bool = False
+    #: Slurm's last word on the node: usable (not down, not failing)
+    usable: bool = False
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The job's standing choices and counters that bound what a plan may do."""
+
+    recovery: RecoveryPolicy = RecoveryPolicy.LIVE
+    #: a rendezvous store on the batch host (needed to rebuild groups in place)
+    has_store: bool = False
+    #: the node that runs the supervisor (it cannot leave the job)
+    batch_host: str = ""
+    #: in-place restarts done so far
+    in_place_restarts: int = 0
+    max_in_place_restarts: int = MAX_IN_PLACE_RESTARTS
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One recovery decision.
+
+    ``membership`` is the membership after the plan (the next epoch when it
+    changes anything). ``lost`` are the faults of active nodes whose slots
+    move, ``promoted`` the spares that take them (in the same order),
+    ``dropped`` the spares that leave the pool, ``release`` the nodes to take
+    out of the allocation once the recovery has started, ``stop`` the nodes
+    whose lost steps are stopped first.
+    """
+
+    action: Action
+    membership: Membership
+    faults: tuple[Fault, ...] = ()
+    lost: tuple[Fault, ...] = ()
+    promoted: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
+    release: tuple[str, ...] = ()
+    detail: str = ""
+    exit_code: int = 1
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        """Nodes whose steps are lost: stopped before anything else happens."""
+        return tuple(f.node for f in self.faults if f.loses_node)
+
+
+def plan_recovery(faults: Sequence[Fault], membership: Membership,
+                  workers: Mapping[str, WorkerFacts], policy: Policy) -> Plan:
+    """The one plan for ``faults`` (of one detection) in ``membership``; see the module doc."""
+    faults = tuple(faults)
+    if not faults:
+        return Plan(Action.NOTHING, membership)
+    classes = {f.fault_class for f in faults}
+    if classes == {FaultClass.PLANNED}:
+        return _plan_drain(faults[0], membership, workers, policy)
+    if classes == {FaultClass.PRE_EMPTIVE}:
+        return _plan_warning(faults[0], membership)
+    return _plan_unplanned(tuple(f for f in faults if f.fault_class == FaultClass.UNPLANNED),
+                           membership, workers, policy)
+
+
+def can_migrate_live(lost: Sequence[str], membership: Membership,
+                     workers: Mapping[str, WorkerFacts], policy: Policy) -> bool:
+    """Every surviving active rank runs the elastic loop, and there is a spare per lost node."""
+    survivors = [n for n in membership.active if n not in lost]
+    facts = [workers.get(n, WorkerFacts()) for n in survivors]
+    return (policy.recovery == RecoveryPolicy.LIVE and policy.has_store and bool(survivors)
+            and all(w.live and w.running for w in facts)
+            and len(membership.spares) >= len(lost))
+
+
+def _plan_unplanned(faults: tuple[Fault, ...], membership: Membership,
+                    workers: Mapping[str, WorkerFacts], policy: Policy) -> Plan:
+    losses = [f for f in faults if f.loses_node]
+    dropped = tuple(f.node for f in losses if f.node in membership.spares)
+    lost = tuple(f for f in losses if f.node in membership.active)
+    release = tuple(f.node for f in losses
+                    if f.detector in NODE_UNTRUSTED and f.node != policy.batch_host)
+    after_drop = membership.without_spares(dropped) if dropped else membership
+    base = Plan(Action.NOTHING, membership, faults=faults, lost=lost, dropped=dropped,
+                release=release)
+    if not lost:
+        if any(f.detector == Detector.COLLECTIVE_FAILED for f in faults):
+            detail = next(f.detail for f in faults if f.detector == Detector.COLLECTIVE_FAILED)
+            return dataclasses.replace(base, action=Action.REGROUP, detail=detail,
+                                       membership=after_drop.next_epoch(membership.epoch))
+        if dropped:
+            return dataclasses.replace(base, action=Action.DROP_SPARE, membership=after_drop)
+        return base
+    nodes = [f.node for f in lost]
+    if can_migrate_live(nodes, after_drop, workers, policy):
+        new = after_drop.replace_all(nodes, epoch=membership.epoch + 1)
+        return dataclasses.replace(base, action=Action.LIVE, membership=new,
+                                   promoted=tuple(new.active[membership.slot_of(n)] for n in nodes))
+    if len(after_drop.spares) >= len(lost):
+        new = after_drop.replace_all(nodes, epoch=membership.epoch + 1)
+        return dataclasses.replace(base, action=Action.RESTART, membership=new,
+                                   promoted=tuple(new.active[membership.slot_of(n)] for n in nodes))
+    first = lost[len(after_drop.spares)]  # the first loss no spare is left for
+    crashed = all(f.detector == Detector.STEP_EXITED and workers.get(f.node, WorkerFacts()).usable
+                  for f in lost)
+    if crashed and policy.in_place_restarts < policy.max_in_place_restarts:
+        return dataclasses.replace(base, action=Action.RESTART_IN_PLACE,
+                                   membership=after_drop.next_epoch(membership.epoch))
+    if crashed:
+        detail = (f"{first.detail}; no hot spare left and {policy.in_place_restarts} in-place "
+                  "restarts already: giving up (submit with more --spares)")
+    else:
+        detail = (f"{first.detail}; no hot spare left, the job cannot continue "
+                  "(submit with more --spares)")
+    return dataclasses.replace(base, action=Action.GIVE_UP, detail=detail,
+                               exit_code=first.exit_code or 1)
+
+
+def _plan_warning(fault: Fault, membership: Membership) -> Plan:
+    """A health warning: drain the node while it still works; the drain then moves it."""
+    if fault.node not in membership.active:
+        return Plan(Action.NOTHING, membership, faults=(fault,))
+    reason = f"torchpass: pre-emptive: {fault.detail}"[:200]
+    return Plan(Action.DRAIN, membership, faults=(fault,), detail=reason)
+
+
+def _plan_drain(fault: Fault, membership: Membership, workers: Mapping[str, WorkerFacts],
+                policy: Policy) -> Plan:
+    """An admin drain: move the node's ranks at a step boundary, or defer to the job's end."""
+    node, reason = fault.node, fault.detail
+    if node in membership.spares:
+        return Plan(Action.DROP_SPARE, membership.without_spares([node]), faults=(fault,),
+                    dropped=(node,), detail=f"drained: {reason}")
+    if node not in membership.active:
+        return Plan(Action.NOTHING, membership, faults=(fault,))
+    if node == policy.batch_host:
+        return Plan(Action.DEFER, membership, faults=(fault,),
+                    detail="the batch host runs the supervisor and cannot leave the job: it "
+                           "drains when the job ends")
+    if not can_migrate_live([node], membership, workers, policy):
+        return Plan(Action.DEFER, membership, faults=(fault,),
+                    detail="no live migration possible (no spare, or a rank not on the elastic "
+                           "loop): the node drains when the job ends")
+    new = membership.replace_all([node], epoch=membership.epoch + 1)
+    return Plan(Action.PLANNED, new, faults=(fault,), lost=(fault,),
+                promoted=(new.active[membership.slot_of(node)],), detail=reason)

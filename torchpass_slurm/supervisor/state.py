@@ -1,0 +1,89 @@
+"""The supervisor's state: what the loop, the detectors and the executor share.
+
+:class:`JobState` is the one mutable record of a running job (membership,
+steps, run state, the recovery in flight); the loop (:mod:`.loop`) owns it,
+the executor (:mod:`.execute`) changes it, the detectors (:mod:`.detect`)
+read it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from torchpass_slurm.faults import Resolution
+from torchpass_slurm.supervisor.membership import Membership
+from torchpass_slurm.supervisor.workers import Clock, WorkerState, WorkerStep
+
+__all__ = ["Clock", "RunState", "RunResult", "Migration", "JobState"]
+
+
+class RunState(str, enum.Enum):
+    """The job as the supervisor runs it; :class:`~.loop.Supervisor`'s docstring draws the machine."""
+
+    LAUNCHING = "launching"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def ended(self) -> bool:
+        return self in (RunState.SUCCEEDED, RunState.FAILED)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    exit_code: int
+    state: RunState
+    epoch: int
+    restarts: int
+    message: str
+
+
+@dataclass
+class Migration:
+    """A recovery in flight, until its first step (live, regroup) or its resume (checkpoint)."""
+
+    epoch: int
+    started: float
+    committed: int | None  # the highest step survivors had reported before the fault
+    failed: tuple[str, ...]
+    resolution: Resolution = Resolution.LIVE
+    #: a planned migration (drain): it switches at a step boundary, nothing is recomputed
+    planned: bool = False
+    #: the committed step the ranks agreed on (their agreement report)
+    agreed: int | None = None
+
+
+@dataclass
+class JobState:
+    """One job's membership, steps and progress, as the supervisor knows them."""
+
+    job_id: int
+    membership: Membership
+    steps: dict[str, WorkerStep] = field(default_factory=dict)
+    state: RunState = RunState.LAUNCHING
+    migration: Migration | None = None
+    restarts: int = 0
+    in_place_restarts: int = 0
+    #: drained nodes whose ranks are handing over, and those that have left the job
+    releasing: set[str] = field(default_factory=set)
+    released: set[str] = field(default_factory=set)
+    exit_code: int = 1
+    message: str = ""
+
+    def live_steps(self) -> dict[str, WorkerStep]:
+        """Steps still worth watching: not stopped, not ended, not lost."""
+        return {n: s for n, s in self.steps.items()
+                if s.state not in (WorkerState.STOPPING, WorkerState.EXITED, WorkerState.LOST)}
+
+    def committed(self, nodes: list[str]) -> int | None:
+        """The highest step these nodes reported (from heartbeats; may lag by one beat)."""
+        return max((self.steps[n].last_step or 0) for n in nodes) if nodes else None
+
+    def last_heartbeat(self, nodes: list[str]) -> float | None:
+        """When these nodes were last heard from: the start of the detection phase."""
+        return max((self.steps[n].last_heartbeat or 0.0) for n in nodes) or None
