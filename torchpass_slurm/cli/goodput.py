@@ -10,8 +10,8 @@ from pathlib import Path
 
 import click
 
-from torchpass_slurm.cli.app import App, pass_app
 from torchpass_slurm.analysis.goodput import CLUSTER_FAILURES_PER_NODE_DAY, GoodputParams, ettr, simulate
+from torchpass_slurm.cli.app import App, pass_app
 
 _D = GoodputParams()
 DEFAULT_GPUS = (1024, 16384, 131072)
@@ -112,19 +112,25 @@ def _plot(params: GoodputParams, path: Path) -> None:
     click.echo(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)", err=True)
 
 
+#: The table's columns: header (lines apart), then the same with --monte-carlo.
+COLUMNS = ("GPUs", "nodes", "faults\nper day", "restart\nETTR", "restart\nGPU-h/d", "live\nETTR", "live\nGPU-h/d")
+MONTE_CARLO_COLUMNS = ("MC\nrestart", "MC\nlive")
+
+
 def _print_table(app: App, params: GoodputParams, table: list[Row], monte_carlo: bool) -> None:
+    """The parameters, a borderless table, what its abbreviations mean: 80 columns, MC included."""
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=(f"ETTR at {params.failure_rate_per_node_day * 1000:g} faults/1000 node-days, "
-                     f"checkpoint every {params.ckpt_interval_s / 60:g} min "
-                     f"(write {params.ckpt_write_s:g} s, restart {params.restart_overhead_s:g} s); "
-                     f"live: {params.live_recovery_s:g} s, covers {params.live_coverage:.0%}"))
-    for name in ("GPUs", "nodes", "faults/day", "restart ETTR", "lost GPU-h/d",
-                 "live ETTR", "lost GPU-h/d"):
-        t.add_column(name, justify="right")
-    if monte_carlo:
-        t.add_column("MC restart", justify="right")
-        t.add_column("MC live", justify="right")
+    from torchpass_slurm.cli.report import print_wide
+
+    app.console.print(f"ETTR at {params.failure_rate_per_node_day * 1000:g} faults/1000 node-days; "
+                      f"live migration: {params.live_recovery_s:g} s per fault, covers {params.live_coverage:.0%}")
+    app.console.print(f"checkpoint restart: a checkpoint every {params.ckpt_interval_s / 60:g} min "
+                      f"(write {params.ckpt_write_s:g} s), restart {params.restart_overhead_s:g} s")
+    t = Table(box=box.SIMPLE, show_edge=False, pad_edge=False, collapse_padding=True)
+    for name in COLUMNS + (MONTE_CARLO_COLUMNS if monte_carlo else ()):
+        t.add_column(name, justify="right", no_wrap=True)
     for row in table:
         cr, lm = row["checkpoint_restart"], row["live_migration"]
         assert isinstance(cr, dict) and isinstance(lm, dict)
@@ -134,4 +140,5 @@ def _print_table(app: App, params: GoodputParams, table: list[Row], monte_carlo:
         if monte_carlo:
             cells += [f"{cr['mc_ettr']:.3f}", f"{lm['mc_ettr']:.3f}"]
         t.add_row(*cells)
-    app.console.print(t, crop=False, soft_wrap=True)
+    print_wide(app.console, t)
+    app.console.print("GPU-h/d: GPU-hours lost per day" + ("; MC: the simulation's ETTR" if monte_carlo else ""))
