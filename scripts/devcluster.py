@@ -213,10 +213,12 @@ def not_up_message(waiting: Mapping[str, str], stopped: Sequence[str],
         summary = ", ".join(f"{n}={s}" for n, s in sorted(waiting.items()))
         head = f"nodes not idle after {waited_s:.0f} s: {summary}"
     parts = [head]
+    saying: dict[tuple[str, ...], list[str]] = {}  # nodes that say the same, quoted once
     for node in sorted(logs):
-        excerpt = log_excerpt(logs[node])
+        saying.setdefault(tuple(log_excerpt(logs[node])), []).append(node)
+    for excerpt, nodes in saying.items():
         said = "\n".join(f"    {line}" for line in excerpt) if excerpt else "    (empty log)"
-        parts.append(f"  {node} says:\n{said}")
+        parts.append(f"  {', '.join(nodes)} {'says' if len(nodes) == 1 else 'say'}:\n{said}")
     parts.append("More: `scripts/cluster logs NODE`, `scripts/cluster status`; "
                  "`scripts/cluster down` removes the cluster (docs/dev-cluster.md, Troubleshooting)")
     return "\n".join(parts)

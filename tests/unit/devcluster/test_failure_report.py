@@ -14,13 +14,12 @@ import pytest
 from scripts import devcluster as dc
 from scripts.devcluster import Cluster, ClusterError
 
-#: What slurmd 24.11 says when it finds a SPANK plugin built against Slurm 22.05.
+#: What slurmd 24.11 printed when it found a SPANK plugin built against Slurm 22.05.
 SLURMD_REFUSES_PLUGIN = """\
 slurmd: slurmd version 24.11.5 started
-slurmd: error: plugin_load_from_file: Incompatible Slurm plugin /usr/lib/x86_64-linux-gnu/slurm-wlm/torchpass.so version (22.05.8)
-slurmd: error: spank: /etc/slurm/plugstack.conf:3: Failed to load plugin torchpass.so. Aborting.
-slurmd: error: Failed to initialize plugin stack
-slurmd: fatal: Unable to initialize spank plugin stack
+slurmd: error: spank: /usr/lib/x86_64-linux-gnu/slurm-wlm/torchpass.so: Incompatible plugin version
+slurmd: error: spank: /etc/slurm/plugstack.conf:3: Failed to load plugin /usr/lib/x86_64-linux-gnu/slurm-wlm/torchpass.so. Aborting.
+slurmd: error: slurmd initialization failed
 """
 
 
@@ -34,10 +33,10 @@ def test_a_node_whose_container_is_not_running_is_stopped() -> None:
 
 
 def test_the_excerpt_is_the_error_lines_of_the_log() -> None:
-    assert dc.log_excerpt(SLURMD_REFUSES_PLUGIN, lines=3) == [
-        "slurmd: error: spank: /etc/slurm/plugstack.conf:3: Failed to load plugin torchpass.so. Aborting.",
-        "slurmd: error: Failed to initialize plugin stack",
-        "slurmd: fatal: Unable to initialize spank plugin stack",
+    assert dc.log_excerpt(SLURMD_REFUSES_PLUGIN, lines=2) == [
+        ("slurmd: error: spank: /etc/slurm/plugstack.conf:3: Failed to load plugin "
+         "/usr/lib/x86_64-linux-gnu/slurm-wlm/torchpass.so. Aborting."),
+        "slurmd: error: slurmd initialization failed",
     ]
 
 
@@ -47,14 +46,15 @@ def test_without_errors_the_excerpt_is_the_last_lines() -> None:
     assert dc.log_excerpt("") == []
 
 
-def test_the_message_names_the_stopped_nodes_and_quotes_their_logs() -> None:
-    message = dc.not_up_message({"c1": "unknown*", "c2": "unknown*"}, ["c1", "c2"],
-                                {"c1": SLURMD_REFUSES_PLUGIN, "c2": ""}, 3.4)
+def test_the_message_names_the_stopped_nodes_and_quotes_their_logs_once() -> None:
+    logs = {"c1": SLURMD_REFUSES_PLUGIN, "c2": SLURMD_REFUSES_PLUGIN, "c3": ""}
+    message = dc.not_up_message({n: "unknown*" for n in logs}, list(logs), logs, 2.4)
     lines = message.splitlines()
-    assert lines[0] == "c1, c2 stopped 3 s after the start (container not running)"
-    assert lines[1] == "  c1 says:"
-    assert "Incompatible Slurm plugin" in lines[2] and "22.05.8" in lines[2]
-    assert "  c2 says:\n    (empty log)" in message
+    assert lines[0] == "c1, c2, c3 stopped 2 s after the start (container not running)"
+    assert lines[1] == "  c1, c2 say:"
+    assert lines[2].endswith("torchpass.so: Incompatible plugin version")
+    assert lines[4:6] == ["    slurmd: error: slurmd initialization failed", "  c3 says:"]
+    assert lines[6] == "    (empty log)"
     assert lines[-1].startswith("More: `scripts/cluster logs NODE`")
 
 
@@ -89,7 +89,7 @@ def test_wait_idle_fails_at_once_when_a_node_container_exited() -> None:
         fake.wait_idle(timeout=240)
     assert time.monotonic() - began < 1.0  # not the 240 s timeout
     assert str(err.value).startswith("c5 stopped 0 s after the start")
-    assert "Unable to initialize spank plugin stack" in str(err.value)
+    assert "  c5 says:" in str(err.value) and "Incompatible plugin version" in str(err.value)
 
 
 def test_wait_idle_returns_when_every_node_is_idle() -> None:
