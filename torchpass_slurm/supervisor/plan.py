@@ -16,7 +16,7 @@ carries the plan out. The decision, for the faults of one detection::
     pre-emptive    active           -                                         drain it (its drain moves it)
     planned        a spare          -                                         drop the spare
     planned        active           not the batch host, live migration        planned migration
-                                    possible
+                                    possible, its own ranks on the loop too
     planned        active           the batch host, or no live migration      defer (to the job's end)
 
 A spare lost together with an active node is dropped by the same plan. A
@@ -215,7 +215,8 @@ def _plan_drain(fault: Fault, membership: Membership, workers: Mapping[str, Work
         return Plan(Action.DEFER, membership, faults=(fault,),
                     detail="the batch host runs the supervisor and cannot leave the job: it "
                            "drains when the job ends")
-    if not can_migrate_live([node], membership, workers, policy):
+    leaver = workers.get(node, WorkerFacts())
+    if not (leaver.live and can_migrate_live([node], membership, workers, policy)):
         return Plan(Action.DEFER, membership, faults=(fault,),
                     detail="no live migration possible (no spare, or a rank not on the elastic "
                            "loop): the node drains when the job ends")

@@ -16,7 +16,7 @@ from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.status import JobStatus, read_status
 from torchpass_slurm.supervisor.loop import RunResult, Supervisor
 
-from .fakes import FakeLauncher, FakeServer, FakeSlurm, VirtualClock, World
+from .fakes import ElasticRanks, FakeLauncher, FakeServer, FakeSlurm, VirtualClock, World
 
 JOB_ID = 4242
 #: Small timings, so that every scenario plays out in well under a minute of virtual time.
@@ -73,7 +73,8 @@ class Harness:
 @pytest.fixture
 def make(tmp_path: Path) -> Callable[..., Harness]:
     def build(*, active: int = 3, spares: int = 1, ntasks: int = 1, train_s: float | None = 8.0,
-              config: SupervisorConfig = CONFIG) -> Harness:
+              config: SupervisorConfig = CONFIG, store: tuple[str, int] = ("", 0),
+              recovery: str = "live") -> Harness:
         clock = VirtualClock()
         nodes = [f"c{i}" for i in range(1, active + spares + 1)]
         slurm = FakeSlurm(clock, nodes)
@@ -86,7 +87,37 @@ def make(tmp_path: Path) -> Callable[..., Harness]:
         supervisor = Supervisor(job_id=JOB_ID, run_dir=run_dir,
                                 membership=Membership.initial(nodes, active, ntasks),
                                 launcher=launcher, server=server, slurm=slurm,  # type: ignore[arg-type]
-                                events=events, config=config, clock=clock)
+                                events=events, config=config, clock=clock, store=store,
+                                recovery=recovery)
         return Harness(clock, slurm, server, world, launcher, supervisor, run_dir)
 
     return build
+
+
+#: The rendezvous store of the live tests (as under ``tp run`` with torch on the batch host).
+STORE = ("c1", 29400)
+#: Long enough that every recovery in the live tests ends before the survivors finish training.
+TRAIN_S = 20.0
+
+Live = Callable[..., tuple[Harness, ElasticRanks]]
+
+
+@pytest.fixture
+def live(make: Callable[..., Harness]) -> Live:
+    """``make``'s harness with a rendezvous store, ``recovery`` and elastic ranks on ``elastic`` nodes."""
+    def build(*, recovery: str = "live", elastic: set[str] | None = None, active: int = 3,
+              spares: int = 1, ntasks: int = 1, agreed_lag: int = 0) -> tuple[Harness, ElasticRanks]:
+        h = make(active=active, spares=spares, ntasks=ntasks, train_s=TRAIN_S, store=STORE,
+                 recovery=recovery)
+        return h, ElasticRanks(h.world, elastic, agreed_lag=agreed_lag)
+    return build
+
+
+def sent(h: Harness, kind: str) -> list[tuple[str, dict[str, Any]]]:
+    """(sender it went to, body) of every message of ``kind`` the supervisor sent."""
+    return [(h._sender_of(s.peer), s.message.body) for s in h.server.sent_of(kind)]
+
+
+def at_of(h: Harness, event: ev.Event) -> float:
+    """When an event happened, in virtual seconds from the start."""
+    return event.ts - h.clock.WALL0

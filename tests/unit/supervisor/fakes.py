@@ -147,6 +147,7 @@ class FakeSlurm:
         self.hang_on_stop: set[str] = set()
         self.on_launch: list[Callable[[Launch], None]] = []
         self.shrinks: list[list[str]] = []  # keep_nodes of every shrink_job()
+        self.drains: list[tuple[str, str]] = []  # (node, reason) of every drain()
 
     def set_node(self, name: str, state: str = "ALLOCATED", *flags: str, reason: str | None = None) -> None:
         self.node_states[name] = Node(name, state, frozenset(flags), reason)
@@ -156,6 +157,11 @@ class FakeSlurm:
         if self.error is not None:
             raise self.error
         return Job(job_id, "train", "RUNNING", nodes=tuple(self.job_nodes))
+
+    def drain(self, node: str, reason: str) -> None:
+        """As ``scontrol update NodeName=... State=DRAIN``: the node is MIXED+DRAIN while the job holds it."""
+        self.drains.append((node, reason))
+        self.set_node(node, "MIXED", "DRAIN", reason=reason)
 
     def shrink_job(self, job_id: int, keep_nodes: Iterable[str]) -> None:
         self.shrinks.append(list(keep_nodes))
@@ -420,6 +426,7 @@ class ElasticRanks:
     each reply ``delay`` virtual seconds after its cause::
 
         reconfigure epoch N ──► group_rebuilt               (each survivor task joins epoch N)
+        reconfigure planned, leave ──► released             (each leaving task; its step exits 0)
         promote mode=live   ──► hello, live_ready           (each spare task joins epoch N, step -1)
         every rank of epoch N joined ──► agreement (rank 0), transfer_done (each receiver)
                                     ──► first_step (rank 0)
@@ -483,6 +490,9 @@ class ElasticRanks:
             self._world_size[epoch] = body["world_size"]
             if sim.held is None:
                 sim.held = sim.step_at(self.world.clock.elapsed)
+            if self.world.rank_of(sim, sender) in body.get("leave", ()):
+                self._later(lambda: self._leave(sim, sender, epoch))
+                return
 
             def rejoin() -> None:
                 sim.epoch = epoch
@@ -492,6 +502,13 @@ class ElasticRanks:
         elif message.kind == msg.PROMOTE and body["mode"] == "live":
             self._world_size[body["epoch"]] = body["world_size"]
             self._live_spares[sim.node] = body["epoch"]
+
+    def _leave(self, sim: SimStep, sender: str, epoch: int) -> None:
+        """A rank of a drained node hands over and leaves; the step ends once all its tasks left."""
+        self.world.send_report(sim, sender, "released", step=sim.held, epoch=epoch)
+        sim.stopped.add(sender)
+        if len(sim.stopped) == len(sim.peers):
+            sim.process.exit(0)
 
     def _join(self, epoch: int, sim: SimStep, sender: str, step: int) -> None:
         if sim.process.poll() is not None or sim.node in self.world.silent:

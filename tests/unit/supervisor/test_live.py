@@ -8,47 +8,17 @@ store, as under ``tp run`` with torch on the batch host.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 from torchpass_slurm import events as ev
 from torchpass_slurm.control import messages as msg
-from torchpass_slurm.supervisor.loop import RunState, Supervisor
+from torchpass_slurm.supervisor.loop import RunState
 from torchpass_slurm.supervisor.workers import master_port
 
-from .conftest import CONFIG, JOB_ID, Harness
+from .conftest import CONFIG, JOB_ID, TRAIN_S, Harness, Live, at_of, sent
 from .fakes import GLOO_RESET, ElasticRanks
-
-STORE = ("c1", 29400)
-#: Long enough that every recovery below ends before the survivors finish training.
-TRAIN_S = 20.0
-
-Live = Callable[..., tuple[Harness, ElasticRanks]]
-
-
-@pytest.fixture
-def live(make: Callable[..., Harness]) -> Live:
-    """``make``'s harness with a rendezvous store, ``recovery`` and elastic ranks on ``elastic`` nodes."""
-    def build(*, recovery: str = "live", elastic: set[str] | None = None, active: int = 3,
-              spares: int = 1, ntasks: int = 1, agreed_lag: int = 0) -> tuple[Harness, ElasticRanks]:
-        h = make(active=active, spares=spares, ntasks=ntasks, train_s=TRAIN_S)
-        old = h.supervisor
-        supervisor = Supervisor(job_id=JOB_ID, run_dir=h.run_dir, membership=old.membership,
-                                launcher=old.launcher, server=old.server, slurm=old.slurm,
-                                events=old.events, config=old.config, store=STORE, recovery=recovery,
-                                clock=h.clock)
-        h = dataclasses.replace(h, supervisor=supervisor)
-        return h, ElasticRanks(h.world, elastic, agreed_lag=agreed_lag)
-    return build
-
-
-def sent(h: Harness, kind: str) -> list[tuple[str, dict[str, Any]]]:
-    """(sender it went to, body) of every message of ``kind`` the supervisor sent."""
-    return [(h._sender_of(s.peer), s.message.body) for s in h.server.sent_of(kind)]
-
 
 def states(h: Harness) -> list[tuple[float, RunState]]:
     """Records the supervisor's state at every poll: (elapsed, state) on each change."""
@@ -59,10 +29,6 @@ def states(h: Harness) -> list[tuple[float, RunState]]:
             seen.append((h.clock.elapsed, h.supervisor.state))
     h.server.on_poll.insert(0, record)
     return seen
-
-
-def at_of(h: Harness, event: ev.Event) -> float:
-    return event.ts - h.clock.WALL0
 
 
 @pytest.mark.parametrize("ntasks", [1, 2])
