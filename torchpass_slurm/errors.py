@@ -20,6 +20,8 @@ next, and are rendered once, at the command-line boundary
     ├── CheckpointError            exit 5   a checkpoint could not be written or read
     ├── TransferError              exit 6   a state transfer failed (peer gone, corrupt data, bad manifest)
     │   └── TransferTimeout                 one transport call did not finish within its timeout
+    ├── CollectiveError            exit 1   a data-plane collective failed (a peer died): the elastic loop recovers
+    │   └── RendezvousTimeout               not every rank arrived at an epoch's rendezvous in time
     ├── SourceError                exit 3   a health check's device library failed (not the node)
     └── SlurmError                 exit 3   anything that went wrong talking to Slurm
         ├── SlurmCommandError               a command exited non-zero (argv, code, stderr)
@@ -51,6 +53,8 @@ __all__ = [
     "CheckpointError",
     "TransferError",
     "TransferTimeout",
+    "CollectiveError",
+    "RendezvousTimeout",
     "SourceError",
     "SlurmError",
     "SlurmCommandError",
@@ -148,6 +152,17 @@ class TransferError(TorchpassError):
 
 class TransferTimeout(TransferError):
     """A transport call did not complete within its ``timeout``."""
+
+
+class CollectiveError(TorchpassError):
+    """A collective of the data plane failed: a peer died or the network broke, not a bug.
+
+    The elastic loop answers it by waiting for the supervisor's reconfigure.
+    """
+
+
+class RendezvousTimeout(CollectiveError):
+    """Not every rank arrived at an epoch's rendezvous in time."""
 
 
 class SourceError(TorchpassError):

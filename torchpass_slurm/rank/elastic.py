@@ -34,10 +34,14 @@ from __future__ import annotations
 
 import datetime
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from torchpass_slurm.control.bodies import PromoteMode, Reconfigure
+from torchpass_slurm.control.messages import ReportKind
+from torchpass_slurm.errors import CollectiveError, TransferError
 from torchpass_slurm.rank.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -53,17 +57,24 @@ RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)
 #: Timeout of one state transfer call.
 TRANSFER_TIMEOUT = datetime.timedelta(seconds=120)
 
-#: Words in an exception's text that mark a failed collective rather than a bug.
-_COMM_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "closed", "reset by peer",
-                 "broken pipe", "process group", "socket", "distbackenderror")
+#: How torch.distributed's C++ layer begins the text of the RuntimeError it raises for a failed
+#: collective: the throw site (``[.../gloo/transport/tcp/pair.cc:537] Read error ...``), the
+#: c10d rank prefix (``[Rank 0]: Ranks 2 failed to pass monitoredBarrier ...``), or NCCL by name.
+#: Measured: torch 2.13's gloo raises plain RuntimeError for a dead peer and for a collective
+#: timeout, with the throw site first; DistError covers the store and NCCL's own errors.
+_TORCH_COMM_ERROR = re.compile(r"^\[(?:[^\]]*\.(?:cc|cpp|h):\d+|Rank \d+)\]|\bNCCL\b")
 
 
 def is_comm_error(exc: BaseException) -> bool:
-    """True when ``exc`` looks like a failed collective (a peer died), not a user bug."""
-    from torchpass_slurm.rank.runtime import RendezvousTimeout
-    from torchpass_slurm.errors import TransferError
+    """True when ``exc`` is a failed collective (a peer died), not a bug of the training.
 
-    if isinstance(exc, (TransferError, RendezvousTimeout)):
+    Decided by type: the project's own :class:`~torchpass_slurm.errors.CollectiveError`
+    (a rendezvous that timed out) and :class:`~torchpass_slurm.errors.TransferError`,
+    torch's ``DistError`` family, and a plain ``RuntimeError`` only when it comes from
+    torch.distributed's C++ layer (:data:`_TORCH_COMM_ERROR`), never for words in a
+    user's message such as "timeout" or "connection".
+    """
+    if isinstance(exc, (CollectiveError, TransferError)):
         return True
     try:
         import torch.distributed as dist
@@ -72,10 +83,7 @@ def is_comm_error(exc: BaseException) -> bool:
             return True
     except ImportError:  # pragma: no cover - torch is there whenever this runs
         pass
-    if not isinstance(exc, RuntimeError):
-        return False
-    text = f"{type(exc).__name__} {exc}".lower()
-    return any(marker in text for marker in _COMM_MARKERS)
+    return type(exc) is RuntimeError and _TORCH_COMM_ERROR.search(str(exc)) is not None
 
 
 def collective_timeout() -> datetime.timedelta:
@@ -109,7 +117,7 @@ class ElasticTrainer:
         #: True once this rank left the job (its node was drained); the loop ends
         self.released = False
         self._started = False
-        self._pending: list[dict[str, Any]] = []
+        self._pending: list[Reconfigure] = []
 
     # -- the loop ------------------------------------------------------------
     def start(self) -> None:
@@ -119,13 +127,14 @@ class ElasticTrainer:
         self._started = True
         if self.rt.world_size > 1 or self.rt.info and self.rt.info.store_addr:
             self.rt.init_process_group(self.backend, collective_timeout(), RENDEZVOUS_TIMEOUT)
-        self.rt.report("live_ready", step=self.step, epoch=self.rt.epoch)
-        if self.rt.is_spare_promoted and (self.rt.promotion or {}).get("mode") == "live":
+        self.rt.report(ReportKind.LIVE_READY, step=self.step, epoch=self.rt.epoch)
+        promotion = self.rt.promotion
+        if self.rt.is_spare_promoted and promotion is not None and promotion.mode == PromoteMode.LIVE:
             self.step = -1
             self._first_step_pending = True
             try:
                 self._sync_state()
-            except Exception as exc:  # e.g. the donor died mid-transfer: the next epoch resumes it
+            except Exception as exc:  # judged below: the donor died mid-transfer, or a bug
                 self._recover_or_raise(exc)
                 return
         self._wrap()
@@ -138,7 +147,7 @@ class ElasticTrainer:
             return self.step
         self.step = checkpoint.load_latest(self.state, directory) or 0
         if self.rt.rank == 0:
-            self.rt.report("resumed", step=self.step, epoch=self.rt.epoch)
+            self.rt.report(ReportKind.RESUMED, step=self.step, epoch=self.rt.epoch)
         return self.step
 
     def close(self) -> None:
@@ -159,14 +168,14 @@ class ElasticTrainer:
             try:
                 loss = train_step(self.step, self.ddp_model)
                 planned = self._vote()
-            except Exception as exc:
+            except Exception as exc:  # judged at the step boundary: a failed collective, or a bug
                 self._recover_or_raise(exc)
                 continue
             self._commit()
             if on_commit is not None:
                 try:
                     on_commit(self.step, loss)
-                except Exception as exc:
+                except Exception as exc:  # judged the same way; the step stays committed
                     self._recover_or_raise(exc)
                     continue
             if planned:
@@ -185,7 +194,7 @@ class ElasticTrainer:
         if not dist.is_initialized():
             return 0
         self._collect_reconfigures()
-        planned = max((b["epoch"] for b in self._pending if b.get("planned")), default=0)
+        planned = max((b.epoch for b in self._pending if b.planned), default=0)
         flag = torch.tensor([planned], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
@@ -198,14 +207,14 @@ class ElasticTrainer:
             self._pending.append(body)
 
     def _next_reconfigure(self, timeout: datetime.timedelta, epoch: int | None = None
-                          ) -> dict[str, Any] | None:
+                          ) -> Reconfigure | None:
         """The pending or next reconfigure for a newer epoch (``epoch``: exactly that one)."""
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
             self._collect_reconfigures()
-            for body in sorted(self._pending, key=lambda b: b["epoch"]):
-                if body["epoch"] > self.rt.epoch and (epoch is None or body["epoch"] == epoch):
-                    self._pending = [b for b in self._pending if b["epoch"] > body["epoch"]]
+            for body in sorted(self._pending, key=lambda b: b.epoch):
+                if body.epoch > self.rt.epoch and (epoch is None or body.epoch == epoch):
+                    self._pending = [b for b in self._pending if b.epoch > body.epoch]
                     return body
             left = deadline - time.monotonic()
             if left <= 0:
@@ -229,7 +238,7 @@ class ElasticTrainer:
         self.step += 1
         self.rt.report_step(self.step)
         if self._first_step_pending and self.rt.rank == 0:
-            self.rt.report("first_step", step=self.step, epoch=self.rt.epoch)
+            self.rt.report(ReportKind.FIRST_STEP, step=self.step, epoch=self.rt.epoch)
         self._first_step_pending = False
 
     # -- recovery ------------------------------------------------------------
@@ -237,7 +246,7 @@ class ElasticTrainer:
         if not is_comm_error(exc) or self.rt.role.value == "plain":
             raise exc  # a bug, or no supervisor to reconfigure the group (plain srun/torchrun)
         self.rt.log.warning("collective failed at step %d: %s", self.step, str(exc)[:200])
-        self.rt.report("collective_failed", step=self.step, error=str(exc)[:200],
+        self.rt.report(ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(exc)[:200],
                        epoch=self.rt.epoch)
         while True:
             body = self._next_reconfigure(RECONFIGURE_TIMEOUT)
@@ -250,34 +259,34 @@ class ElasticTrainer:
             except Exception as again:  # a second failure during recovery: wait for the next epoch
                 if not is_comm_error(again):
                     raise
-                self.rt.log.warning("recovery of epoch %s failed: %s", body.get("epoch"), again)
-                self.rt.report("collective_failed", step=self.step, error=str(again)[:200],
+                self.rt.log.warning("recovery of epoch %s failed: %s", body.epoch, again)
+                self.rt.report(ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(again)[:200],
                                epoch=self.rt.epoch)
 
-    def _reconfigure(self, body: Mapping[str, Any]) -> None:
-        if self.rt.rank in body.get("leave", ()):
+    def _reconfigure(self, body: Reconfigure) -> None:
+        if self.rt.rank in body.leave:
             self._release(body)
             return
         started = time.monotonic()
         self.rt.rejoin(body, self.backend, collective_timeout(), RENDEZVOUS_TIMEOUT)
-        self.rt.report("group_rebuilt", seconds=round(time.monotonic() - started, 4),
+        self.rt.report(ReportKind.GROUP_REBUILT, seconds=round(time.monotonic() - started, 4),
                        epoch=self.rt.epoch)
         self._sync_state()
         self._wrap()
         self.migrations += 1
         self._first_step_pending = True
 
-    def _release(self, body: Mapping[str, Any]) -> None:
+    def _release(self, body: Reconfigure) -> None:
         """This rank's node is drained: hand over (a replica sends the state) and leave."""
         import torch.distributed as dist
 
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception as exc:
+            except RuntimeError as exc:  # torch's errors (DistError too) are RuntimeErrors
                 self.rt.log.debug("destroying the group on release: %r", exc)
         self.released = True
-        self.rt.report("released", step=self.step, epoch=int(body["epoch"]))
+        self.rt.report(ReportKind.RELEASED, step=self.step, epoch=body.epoch)
         self.rt.log.info("released at step %d: this node is being drained", self.step)
 
     def _sync_state(self) -> None:
@@ -294,7 +303,7 @@ class ElasticTrainer:
         donors = [r for r, s in enumerate(held) if s == committed]
         receivers = [r for r, s in enumerate(held) if s < committed]
         if self.rt.rank == 0:
-            self.rt.report("agreement", committed_step=committed, receivers=receivers,
+            self.rt.report(ReportKind.AGREEMENT, committed_step=committed, receivers=receivers,
                            donors=donors, epoch=self.rt.epoch)
         plan = {recv: donors[i % len(donors)] for i, recv in enumerate(receivers)}
         for recv, donor in plan.items():
@@ -331,7 +340,7 @@ class ElasticTrainer:
             obj.load_state_dict(received[name])
         self._progress = None
         self.received_state = True
-        self.rt.report("transfer_done", donor=donor, receiver=self.rt.rank, step=step,
+        self.rt.report(ReportKind.TRANSFER_DONE, donor=donor, receiver=self.rt.rank, step=step,
                        bytes=stats.bytes, seconds=round(stats.seconds, 4), retries=stats.retries,
                        resumed_from=stats.resumed_from, epoch=self.rt.epoch)
 

@@ -54,7 +54,9 @@ from torchpass_slurm.config import (
     ENV_SECRET_FILE,
     SupervisorConfig,
 )
-from torchpass_slurm.errors import ConfigError, ControlPlaneError
+from torchpass_slurm.control.bodies import Promote, Reconfigure
+from torchpass_slurm.control.messages import Kind, ReportKind
+from torchpass_slurm.errors import ConfigError, ControlPlaneError, RendezvousTimeout
 from torchpass_slurm.rank.rankinfo import (
     RankInfo,
     Role,
@@ -113,32 +115,16 @@ def connect_control(endpoint: str, secret_file: str, sender: str) -> ControlClie
     return ControlClient(endpoint, load_secret(Path(secret_file)), sender)
 
 
-class RendezvousTimeout(RuntimeError):
-    """Not every rank arrived at an epoch's rendezvous in time (a failed collective, for recovery)."""
-
-
-class Kinds:
-    """Message kinds, from :mod:`torchpass_slurm.control.messages` (which imports no zmq)."""
-
-    def __init__(self) -> None:
-        from torchpass_slurm.control import messages as m
-
-        self.hello, self.heartbeat, self.standby, self.bye = m.HELLO, m.HEARTBEAT, m.STANDBY, m.BYE
-        self.promote, self.stop = m.PROMOTE, m.STOP
-        self.report, self.reconfigure = m.REPORT, m.RECONFIGURE
-
-
 # --- heartbeat thread -------------------------------------------------------------
 
 
 class _Heartbeat(threading.Thread):
     """Owns the control client once started: heartbeats, incoming messages, bye."""
 
-    def __init__(self, runtime: Runtime, client: ControlClientLike, kinds: Kinds, interval: float) -> None:
+    def __init__(self, runtime: Runtime, client: ControlClientLike, interval: float) -> None:
         super().__init__(name="torchpass-heartbeat", daemon=True)
         self._rt = runtime
         self._client = client
-        self._kinds = kinds
         self._interval = datetime.timedelta(seconds=interval)
         self.closing = threading.Event()
 
@@ -148,14 +134,14 @@ class _Heartbeat(threading.Thread):
             while not self.closing.is_set():
                 now = time.monotonic()
                 if now >= next_beat:
-                    self._send(self._kinds.heartbeat, self._rt._beat_body())
+                    self._send(Kind.HEARTBEAT, self._rt._beat_body())
                     next_beat = now + self._interval.total_seconds()
                 self._flush_outbox()
                 msg = self._recv(min(OUTBOX_SLICE_S, max(0.0, next_beat - now)))
                 if msg is not None:
                     self._rt._on_message(msg)
             self._flush_outbox()
-            self._send(self._kinds.bye, self._rt._beat_body(state="done"))
+            self._send(Kind.BYE, self._rt._beat_body(state="done"))
         finally:
             self._client.close()
 
@@ -170,13 +156,13 @@ class _Heartbeat(threading.Thread):
     def _send(self, kind: str, body: dict[str, Any]) -> None:
         try:
             self._client.send(kind, body)
-        except Exception as exc:  # keep training; the supervisor judges missing heartbeats
+        except ControlPlaneError as exc:  # keep training; the supervisor judges missing heartbeats
             self._rt.log.warning("could not send %s to the supervisor: %s", kind, exc)
 
     def _recv(self, seconds: float) -> Message | None:
         try:
             return self._client.recv(datetime.timedelta(seconds=seconds))
-        except Exception as exc:
+        except ControlPlaneError as exc:
             self._rt.log.warning("control plane receive failed: %s", exc)
             self.closing.wait(self._interval.total_seconds())
             return None
@@ -213,14 +199,13 @@ class Runtime:
         self._environ = environ
         self._client = client
         self._config = config or SupervisorConfig()
-        self._kinds: Kinds | None = Kinds() if client is not None else None
         self._heartbeat: _Heartbeat | None = None
         #: messages for the supervisor, sent by the heartbeat thread
         self.outbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         #: reconfigure messages from the supervisor, for the training thread
-        self.reconfigures: queue.Queue[dict[str, Any]] = queue.Queue()
-        #: the promote message's body, for a promoted spare
-        self.promotion: dict[str, Any] | None = None
+        self.reconfigures: queue.Queue[Reconfigure] = queue.Queue()
+        #: the promote message, for a promoted spare
+        self.promotion: Promote | None = None
         self._tcp_store: Any = None
         self._health: Any = None
 
@@ -253,7 +238,7 @@ class Runtime:
         self.info.export(self._environ)
         self.state = "running"
         if self._client is not None:
-            self._send(self._k.hello, self._hello_body())
+            self._send(Kind.HELLO, self._hello_body())
             self._start_heartbeat()
             from torchpass_slurm.health.agent import HealthAgent
 
@@ -340,7 +325,7 @@ class Runtime:
                                         f"{joined} of {info.world_size} ranks arrived")
             time.sleep(0.05)
 
-    def rejoin(self, body: Mapping[str, Any], backend: str = "gloo",
+    def rejoin(self, body: Reconfigure, backend: str = "gloo",
                timeout: datetime.timedelta = DEFAULT_PG_TIMEOUT,
                rendezvous_timeout: datetime.timedelta | None = None) -> None:
         """Drop the broken process group and build the one of a reconfigure message's epoch."""
@@ -349,25 +334,25 @@ class Runtime:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception as exc:  # a group broken by a dead peer may complain; it is gone anyway
+            except RuntimeError as exc:  # a group broken by a dead peer may complain; it is gone anyway
                 self.log.debug("destroying the old group: %r", exc)
         info = self._info()
-        self.info = RankInfo(rank=info.rank, world_size=int(body["world_size"]),
+        self.info = RankInfo(rank=info.rank, world_size=body.world_size,
                              local_rank=info.local_rank, local_world_size=info.local_world_size,
                              master_addr=info.master_addr, master_port=info.master_port,
-                             epoch=int(body["epoch"]), store_addr=str(body["store_addr"]),
-                             store_port=int(body["store_port"]))
+                             epoch=body.epoch, store_addr=body.store_addr,
+                             store_port=body.store_port)
         self.init_process_group(backend, timeout, rendezvous_timeout)
 
-    def report(self, event: str, **fields: Any) -> None:
+    def report(self, event: ReportKind, **fields: Any) -> None:
         """Tell the supervisor a fact for the event log (sent at once by the heartbeat thread)."""
-        body = {"event": event, "fields": {"rank": self.rank, **fields}}
+        body = {"event": ReportKind(event).value, "fields": {"rank": self.rank, **fields}}
         if self._heartbeat is not None:
-            self.outbox.put((self._k.report, body))
+            self.outbox.put((Kind.REPORT, body))
         elif self._client is not None:
-            self._send(self._k.report, body)
+            self._send(Kind.REPORT, body)
 
-    def wait_reconfigure(self, timeout: datetime.timedelta) -> dict[str, Any] | None:
+    def wait_reconfigure(self, timeout: datetime.timedelta) -> Reconfigure | None:
         """The next reconfigure message from the supervisor, or None after ``timeout``."""
         try:
             return self.reconfigures.get(timeout=timeout.total_seconds())
@@ -394,7 +379,7 @@ class Runtime:
             if hb.is_alive():
                 self.log.warning("heartbeat thread did not stop within %s", CLOSE_TIMEOUT)
         elif self._client is not None:
-            self._send(self._k.bye, self._beat_body(state="done"))
+            self._send(Kind.BYE, self._beat_body(state="done"))
             self._client.close()
             self._client = None
 
@@ -405,11 +390,6 @@ class Runtime:
         self.close()
 
     # -- internals --
-
-    @property
-    def _k(self) -> Kinds:
-        assert self._kinds is not None
-        return self._kinds
 
     def _info(self) -> RankInfo:
         if self.info is None:
@@ -433,15 +413,18 @@ class Runtime:
 
     def _start_heartbeat(self) -> None:
         assert self._client is not None
-        hb = _Heartbeat(self, self._client, self._k, self._config.heartbeat_interval)
+        hb = _Heartbeat(self, self._client, self._config.heartbeat_interval)
         self._heartbeat, self._client = hb, None  # the thread owns the client from here on
         hb.start()
 
     def _on_message(self, msg: Message) -> None:
         """A message for an active rank (called from the heartbeat thread)."""
-        if msg.kind == self._k.reconfigure:
-            self.reconfigures.put(dict(msg.body))
-        elif msg.kind == self._k.stop:
+        if msg.kind == Kind.RECONFIGURE:
+            try:
+                self.reconfigures.put(Reconfigure.from_body(msg.body))
+            except ControlPlaneError as exc:
+                self.log.warning("ignoring a malformed reconfigure: %s", exc)
+        elif msg.kind == Kind.STOP:
             self.log.warning("the supervisor asked this rank to stop: %s", msg.body)
             self.stop_requested.set()
         else:
@@ -449,7 +432,7 @@ class Runtime:
 
     def _wait_for_promotion(self, timeout: datetime.timedelta | None) -> None:
         self.state = "standby"
-        self._send(self._k.standby, {"node": self.node, "local_rank": _int(self._environ, "SLURM_LOCALID", default=0),
+        self._send(Kind.STANDBY, {"node": self.node, "local_rank": _int(self._environ, "SLURM_LOCALID", default=0),
                                      "pid": os.getpid()})
         self.log.info("standby: waiting for promote or stop")
         interval = datetime.timedelta(seconds=self._config.heartbeat_interval)
@@ -459,14 +442,14 @@ class Runtime:
             msg = self._client.recv(interval)
             waited += interval
             if msg is None:
-                self._send(self._k.heartbeat, self._beat_body())
-            elif msg.kind == self._k.promote:
+                self._send(Kind.HEARTBEAT, self._beat_body())
+            elif msg.kind == Kind.PROMOTE:
                 self.info = promoted_rank_info(msg.body, self._environ)
-                self.promotion = dict(msg.body)
+                self.promotion = Promote.from_body(msg.body)
                 self.is_spare_promoted = True
                 self.log.info("promoted: %s", msg.body)
                 return
-            elif msg.kind == self._k.stop:
+            elif msg.kind == Kind.STOP:
                 self._exit_on_stop(msg)
             else:
                 self.log.warning("ignoring unexpected %r message in standby", msg.kind)

@@ -34,7 +34,7 @@ def _rank_main(rank: int, port: int, out: str) -> None:
     os.environ.update(env)
     rt = Runtime.from_env(dict(env))
     reports: list[tuple[str, dict[str, Any]]] = []
-    rt.report = lambda event, **fields: reports.append((event, fields))  # type: ignore[method-assign]
+    rt.report = lambda event, **fields: reports.append((str(event), fields))  # type: ignore[method-assign]
     torch.manual_seed(rank)  # different weights on each rank
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

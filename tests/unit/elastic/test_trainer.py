@@ -16,7 +16,9 @@ from torch import nn
 from torchpass_slurm.errors import TransferError, TransferTimeout
 from torchpass_slurm.rank import elastic
 from torchpass_slurm.rank.elastic import ElasticTrainer, is_comm_error
-from torchpass_slurm.rank.runtime import RankInfo, RendezvousTimeout, Role, Runtime, make_tcp_store
+from torchpass_slurm.control.bodies import Reconfigure
+from torchpass_slurm.errors import RendezvousTimeout
+from torchpass_slurm.rank.runtime import RankInfo, Role, Runtime, make_tcp_store
 
 GLOO_RESET = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
                           "Connection closed by peer [10.0.0.2]:41234")
@@ -238,8 +240,8 @@ def store() -> Iterator[int]:
 def reconfigure(rt: Runtime, store: int, *epochs: int) -> None:
     """Queue the supervisor's reconfigure of each epoch, as the heartbeat thread does."""
     for epoch in epochs:
-        rt.reconfigures.put({"epoch": epoch, "world_size": 1, "store_addr": "127.0.0.1",
-                             "store_port": store})
+        rt.reconfigures.put(Reconfigure(epoch=epoch, world_size=1, store_addr="127.0.0.1",
+                                        store_port=store))
 
 
 def test_an_active_rank_rejoins_the_reconfigured_epoch_and_retries_the_step(store: int) -> None:
@@ -272,8 +274,8 @@ def test_a_recovery_that_fails_again_waits_for_the_next_epoch(
     reconfigure(rt, store, 1, 2)
     real_rejoin = rt.rejoin
 
-    def rejoin(message: dict[str, Any], *args: Any) -> None:
-        if message["epoch"] == 1:  # another rank died while this one rejoined
+    def rejoin(message: Reconfigure, *args: Any) -> None:
+        if message.epoch == 1:  # another rank died while this one rejoined
             raise RendezvousTimeout("rendezvous of epoch 1 timed out after 0:02:00: 1 of 2 ranks arrived")
         real_rejoin(message, *args)
     monkeypatch.setattr(rt, "rejoin", rejoin)
@@ -308,3 +310,22 @@ def test_a_recovery_on_a_backend_other_than_plain_gloo_completes(store: int) -> 
     trainer.fit(fails_once(at=1), steps=3)
 
     assert (optimizer.steps, trainer.migrations, rt.epoch) == (3, 1, 1)
+
+
+@pytest.mark.parametrize("exc", [
+    RuntimeError("timeout while reading shard 7 of the dataset"),
+    RuntimeError("connection to the metrics server closed"),
+    RuntimeError("socket error in my data loader (reset by peer)"),
+], ids=["timeout", "connection", "socket"])
+def test_a_user_error_that_mentions_the_network_is_not_a_comm_error(exc: BaseException) -> None:
+    """Only torch.distributed's own errors start a recovery, never words in a user's message."""
+    assert not is_comm_error(exc)
+
+
+def test_torch_gloo_errors_are_comm_errors() -> None:
+    """The texts torch 2.13's gloo raised here for a killed and for a hung peer."""
+    for text in ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                 "[127.0.0.1]:54679: Connection reset by peer.",
+                 "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                 "waiting 3000ms for recv operation to complete"):
+        assert is_comm_error(RuntimeError(text))

@@ -12,7 +12,8 @@ pytest.importorskip("zmq")
 
 from torchpass_slurm.rank import runtime  # noqa: E402
 from torchpass_slurm.config import SupervisorConfig  # noqa: E402
-from torchpass_slurm.control import ControlServer, create_secret, load_secret  # noqa: E402
+from torchpass_slurm.control.secret import create_secret, load_secret  # noqa: E402
+from torchpass_slurm.control.server import ControlServer  # noqa: E402
 from torchpass_slurm.control.messages import Message  # noqa: E402
 
 FAST = SupervisorConfig(heartbeat_interval=0.05)
