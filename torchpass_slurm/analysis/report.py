@@ -42,7 +42,7 @@ The rules:
   ``transfer_done``, ``first_step``, ``migration_done``) belong to the
   recovery whose ``migration_started`` has their epoch, else to the open one.
 * **Resolution.** ``deferred`` for a deferred drain; else
-  ``migration_done.resolution`` (live | checkpoint | elastic | fatal) if
+  ``migration_done.resolution`` (live | regroup | checkpoint; see torchpass_slurm.faults.Resolution) if
   present; else ``restarted`` with ``from_checkpoint`` -> checkpoint; else a
   ``failed`` event while the recovery is open -> fatal; else unresolved.
 * **Phases** (seconds), consecutive intervals between these marks::
@@ -77,12 +77,13 @@ from typing import Any
 
 from torchpass_slurm import events as ev
 from torchpass_slurm.events import Event
+from torchpass_slurm.faults import FaultClass, Resolution
 
 __all__ = [
     "CLASSES",
     "PHASES",
     "RESOLUTIONS",
-    "Fault",
+    "FaultRecord",
     "JobReport",
     "Phases",
     "SpareFault",
@@ -97,11 +98,13 @@ CLOSING_KINDS = frozenset({ev.MIGRATION_DONE, ev.RESTARTED, ev.FAILED, ev.FINISH
 #: Phase names, in order; ``total`` is kept apart.
 PHASES = ("detection", "decision", "rebuild", "agreement", "transfer", "first_step")
 #: Fault classes, in the order they are reported.
-CLASSES = ("unplanned", "pre-emptive", "planned")
-#: How the job's own drains begin their reason (``MigrationMixin._health_warning``).
+CLASSES = tuple(c.value for c in FaultClass)
+#: How the job's own drains begin their reason (the planner's pre-emptive drain).
 PRE_EMPTIVE_REASON = "torchpass: pre-emptive"
-#: Resolution classes, in the order they are reported; None is "unresolved".
-RESOLUTIONS: tuple[str | None, ...] = ("live", "checkpoint", "elastic", "deferred", "fatal", None)
+#: Resolutions, in the order they are reported; None is "unresolved".
+RESOLUTIONS: tuple[str | None, ...] = (Resolution.LIVE.value, Resolution.REGROUP.value,
+                                       Resolution.CHECKPOINT.value, Resolution.DEFERRED.value,
+                                       Resolution.FATAL.value, None)
 
 # --- results ------------------------------------------------------------------
 
@@ -125,7 +128,7 @@ class Phases:
 
 
 @dataclass(frozen=True)
-class Fault:
+class FaultRecord:
     """One fault of an active node (of any class) and how its recovery went."""
 
     ts: float
@@ -179,7 +182,7 @@ class JobReport:
 
     job: str
     source: str
-    faults: tuple[Fault, ...]
+    faults: tuple[FaultRecord, ...]
     spare_faults: tuple[SpareFault, ...]
 
 
@@ -394,7 +397,7 @@ def _spare_fault(event: Event, detector: str) -> SpareFault:
                       detector=str(fields.get("detector") or detector), detail=str(fields.get("detail") or ""))
 
 
-def _fault(cause: _Cause, recovery: _Recovery) -> Fault:
+def _fault(cause: _Cause, recovery: _Recovery) -> FaultRecord:
     fields = cause.event.fields
     exit_code = fields.get("exit_code")
     shown = cause.mark or cause.event
@@ -405,7 +408,7 @@ def _fault(cause: _Cause, recovery: _Recovery) -> Fault:
         detail = cause.reason
         if recovery.deferred is not None and recovery.deferred.fields.get("detail"):
             detail += f" (deferred: {recovery.deferred.fields['detail']})"
-    return Fault(
+    return FaultRecord(
         ts=shown.ts,
         node=cause.node,
         kind=shown.kind,

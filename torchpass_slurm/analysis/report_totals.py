@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torchpass_slurm.analysis.report import CLASSES, RESOLUTIONS, Fault, JobReport
+from torchpass_slurm.analysis.report import CLASSES, RESOLUTIONS, FaultRecord, JobReport
 
 __all__ = [
     "ClassSummary",
@@ -35,7 +35,7 @@ __all__ = [
 RESOLUTION_PHRASES: Mapping[str | None, str] = {
     "live": "resolved by live migration",
     "checkpoint": "resolved by checkpoint restart",
-    "elastic": "resolved by continuing on fewer nodes",
+    "regroup": "resolved by rebuilding the group",
     "deferred": "deferred to the end of the job",
     "fatal": "was fatal",
     None: "is unresolved in the log",
@@ -121,8 +121,8 @@ def summarise(reports: Iterable[JobReport]) -> Summary:
                    spare_faults=sum(len(r.spare_faults) for r in reports))
 
 
-def _where(faults: Sequence[Fault], firsts: Sequence[Fault], attribute: str,
-           value: Any) -> tuple[list[Fault], list[Fault]]:
+def _where(faults: Sequence[FaultRecord], firsts: Sequence[FaultRecord], attribute: str,
+           value: Any) -> tuple[list[FaultRecord], list[FaultRecord]]:
     """The faults, and the recoveries' first faults, whose ``attribute`` is ``value``."""
     return ([f for f in faults if getattr(f, attribute) == value],
             [f for f in firsts if getattr(f, attribute) == value])
@@ -133,7 +133,7 @@ def _ordered(present: set[Any], order: Sequence[Any]) -> list[Any]:
     return [x for x in order if x in present] + sorted(present - set(order), key=str)
 
 
-def _class_summary(faults: Sequence[Fault], recoveries: Sequence[Fault]) -> ClassSummary:
+def _class_summary(faults: Sequence[FaultRecord], recoveries: Sequence[FaultRecord]) -> ClassSummary:
     resolutions = [f.resolution for f in faults]
     return ClassSummary(
         totals=_totals(faults, recoveries),
@@ -142,7 +142,7 @@ def _class_summary(faults: Sequence[Fault], recoveries: Sequence[Fault]) -> Clas
     )
 
 
-def _totals(faults: Sequence[Fault], recoveries: Sequence[Fault]) -> Totals:
+def _totals(faults: Sequence[FaultRecord], recoveries: Sequence[FaultRecord]) -> Totals:
     """The faults, and the step sums of the recoveries (each given by its first fault)."""
     lost = [f.lost_steps for f in recoveries]
     recomputed = [f.recomputed_steps for f in recoveries]
