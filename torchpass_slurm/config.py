@@ -55,7 +55,9 @@ def env_float(name: str, default: float, *, minimum: float = 0.0) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number", hint=f"unset it or give seconds, e.g. {default:g}") from None
+        raise ConfigError(
+            f"{name}={raw!r} is not a number", hint=f"unset it or give seconds, e.g. {default:g}"
+        ) from None
     if value < minimum:
         raise ConfigError(f"{name}={raw!r} is below the minimum {minimum:g}")
     return value
@@ -66,8 +68,10 @@ def env_int(name: str, default: int | None = None, *, minimum: int = 0) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         if default is None:
-            raise ConfigError(f"the environment variable {name} is not set",
-                              hint="run this under tp-submit / tp run, which set it")
+            raise ConfigError(
+                f"the environment variable {name} is not set",
+                hint="run this under tp-submit / tp run, which set it",
+            )
         return default
     try:
         value = int(raw)
@@ -108,6 +112,8 @@ class SupervisorConfig:
         valid = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - valid)
         if unknown:
-            raise ConfigError(f"unknown supervisor setting(s): {', '.join(unknown)}",
-                              hint=f"valid settings: {', '.join(sorted(valid))}")
+            raise ConfigError(
+                f"unknown supervisor setting(s): {', '.join(unknown)}",
+                hint=f"valid settings: {', '.join(sorted(valid))}",
+            )
         return cls(**{k: float(v) for k, v in values.items()})

@@ -83,7 +83,9 @@ FIRST_STEP = "first_step"  # rank 0: the first step of the new epoch committed (
 MIGRATION_DONE = "migration_done"  # supervisor: resolution=live|checkpoint|regroup, lost_steps=, planned=
 HEALTH_WARNING = "health_warning"  # a node's in-job agent saw WARNING/CRITICAL (status=, summary=)
 DRAIN_DEFERRED = "drain_deferred"  # a drained node keeps its ranks until the job ends (reason=, detail=)
-NODE_RELEASED = "node_released"  # a drained or lost node left the job (released=true|false, reason=drained|lost)
+NODE_RELEASED = (
+    "node_released"  # a drained or lost node left the job (released=true|false, reason=drained|lost)
+)
 LOG_REPAIRED = "log_repaired"  # a torn line before this one was left by a crash
 
 #: Keys every line has; an event's own fields may not use them.
@@ -174,9 +176,7 @@ class EventLog:
         except OSError as exc:
             raise EventLogError(f"cannot write to the event log {self.path}: {exc.strerror}") from None
         if written != len(line):
-            raise EventLogError(
-                f"short write to the event log {self.path}: {written} of {len(line)} bytes"
-            )
+            raise EventLogError(f"short write to the event log {self.path}: {written} of {len(line)} bytes")
 
     def _repair_torn_tail(self) -> None:
         # Under the lock, so that another appender's write in progress is never
@@ -189,8 +189,7 @@ class EventLog:
                 f.seek(size - 1)
                 if f.read(1) == b"\n":
                     return
-            logger.warning("event log %s ends in a torn line (a crash mid-write); marking it",
-                           self.path)
+            logger.warning("event log %s ends in a torn line (a crash mid-write); marking it", self.path)
             repaired = Event(self._clock(), LOG_REPAIRED, self.job, self.epoch, {})
             os.write(self._fd, b"\n" + repaired.to_line())
             os.fsync(self._fd)

@@ -25,8 +25,16 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["Detector", "FaultClass", "Fault", "Recovery", "Resolution", "RecoveryPolicy",
-           "NODE_LOSS", "NODE_UNTRUSTED"]
+__all__ = [
+    "Detector",
+    "FaultClass",
+    "Fault",
+    "Recovery",
+    "Resolution",
+    "RecoveryPolicy",
+    "NODE_LOSS",
+    "NODE_UNTRUSTED",
+]
 
 
 class Detector(str, enum.Enum):
@@ -57,8 +65,15 @@ class FaultClass(str, enum.Enum):
 
 
 #: Detectors whose fault means the node's step is lost (its ranks must move).
-NODE_LOSS = frozenset({Detector.STEP_EXITED, Detector.HEARTBEAT_LOST, Detector.STARTUP_TIMEOUT,
-                       Detector.NODE_DOWN, Detector.NODE_GONE})
+NODE_LOSS = frozenset(
+    {
+        Detector.STEP_EXITED,
+        Detector.HEARTBEAT_LOST,
+        Detector.STARTUP_TIMEOUT,
+        Detector.NODE_DOWN,
+        Detector.NODE_GONE,
+    }
+)
 #: Detectors after which the node itself is not to be trusted: it is taken out of the job.
 NODE_UNTRUSTED = frozenset({Detector.HEARTBEAT_LOST, Detector.NODE_DOWN})
 

@@ -31,8 +31,7 @@ INSTALL_HINT = "pip install 'torchpass-slurm[bench]'"
 def log_sizes(lo: int = 512, hi: int = 131072, points: int = 30) -> list[int]:
     """``points`` job sizes from ``lo`` to ``hi`` GPUs, evenly spaced on a log scale."""
     if not 1 <= lo < hi or points < 2:
-        raise ValueError(f"need 1 <= lo < hi and points >= 2, "
-                         f"got lo={lo}, hi={hi}, points={points}")
+        raise ValueError(f"need 1 <= lo < hi and points >= 2, got lo={lo}, hi={hi}, points={points}")
     return sorted({round(lo * (hi / lo) ** (i / (points - 1))) for i in range(points)})
 
 
@@ -51,11 +50,21 @@ def curves(params: GoodputParams) -> list[Curve]:
     every = _minutes(params.ckpt_interval_s)
     out = [Curve(f"checkpoint restart, every {every}", cr, "tab:red")]
     if params.ckpt_interval_s != SHORT_INTERVAL_S:
-        out.append(Curve(f"checkpoint restart, every {_minutes(SHORT_INTERVAL_S)}",
-                         replace(cr, ckpt_interval_s=SHORT_INTERVAL_S), "tab:orange"))
-    out.append(Curve(f"live migration: {params.live_recovery_s:g} s pause for "
-                     f"{params.live_coverage:.0%} of faults (the rest: restart, every {every})",
-                     params, "tab:blue"))
+        out.append(
+            Curve(
+                f"checkpoint restart, every {_minutes(SHORT_INTERVAL_S)}",
+                replace(cr, ckpt_interval_s=SHORT_INTERVAL_S),
+                "tab:orange",
+            )
+        )
+    out.append(
+        Curve(
+            f"live migration: {params.live_recovery_s:g} s pause for "
+            f"{params.live_coverage:.0%} of faults (the rest: restart, every {every})",
+            params,
+            "tab:blue",
+        )
+    )
     return out
 
 
@@ -72,11 +81,15 @@ def write_plot(params: GoodputParams, path: Path, sizes: list[int] | None = None
         left.plot(sizes, [g.ettr for g in points], color=curve.color, label=curve.label, lw=2)
         right.plot(sizes, lost, color=curve.color, lw=2)
     for i, (gpus, interval_s, value) in enumerate(PUBLISHED):
-        left.plot([gpus], [value], "kX", ms=9, zorder=5,
-                  label=None if i else "the study's examples (RSC-1)")
-        left.annotate(f"the study: {value:.2f}, every {_minutes(interval_s)}", (gpus, value),
-                      xytext=(0.08, value - 0.12), textcoords=("axes fraction", "data"), fontsize=8,
-                      arrowprops={"arrowstyle": "->", "color": "dimgrey", "lw": 0.8})
+        left.plot([gpus], [value], "kX", ms=9, zorder=5, label=None if i else "the study's examples (RSC-1)")
+        left.annotate(
+            f"the study: {value:.2f}, every {_minutes(interval_s)}",
+            (gpus, value),
+            xytext=(0.08, value - 0.12),
+            textcoords=("axes fraction", "data"),
+            fontsize=8,
+            arrowprops={"arrowstyle": "->", "color": "dimgrey", "lw": 0.8},
+        )
     for ax in (left, right):
         _size_axis(ax, sizes)
     left.set(ylim=(0.0, 1.02), ylabel="expected ETTR (productive time / wall time)")
@@ -99,8 +112,9 @@ def load_matplotlib() -> tuple[Any, Any]:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as err:
-        raise TorchpassError(f"--plot needs matplotlib, which could not be imported ({err})",
-                             hint=INSTALL_HINT) from err
+        raise TorchpassError(
+            f"--plot needs matplotlib, which could not be imported ({err})", hint=INSTALL_HINT
+        ) from err
     return Figure, FigureCanvasAgg
 
 
@@ -108,8 +122,11 @@ def _size_axis(ax: Any, sizes: list[int]) -> None:
     """Log-2 GPU axis with ticks at the powers of two; the table's sizes marked on top."""
     ax.set_xscale("log", base=2)
     ax.set_xlim(sizes[0], sizes[-1])
-    ticks = [2 ** k for k in range(sizes[0].bit_length() - 1, sizes[-1].bit_length())
-             if sizes[0] <= 2 ** k <= sizes[-1]]
+    ticks = [
+        2**k
+        for k in range(sizes[0].bit_length() - 1, sizes[-1].bit_length())
+        if sizes[0] <= 2**k <= sizes[-1]
+    ]
     ax.set_xticks(ticks, [f"{t // 1024}k" if t >= 1024 else str(t) for t in ticks])
     ax.set_xlabel("job size, GPUs (log scale; 1k = 1,024)")
     ax.grid(True, which="major", alpha=0.3)
@@ -122,11 +139,13 @@ def _size_axis(ax: Any, sizes: list[int]) -> None:
 
 
 def _title(p: GoodputParams) -> str:
-    return (f"{p.failure_rate_per_node_day * 1000:g} faults per 1000 node-days "
-            f"({p.gpus_per_node} GPUs a node), restart overhead {p.restart_overhead_s / 60:g} min, "
-            f"checkpoint write {p.ckpt_write_s:g} s; "
-            f"live migration: {p.live_recovery_s:g} s pause, "
-            f"covers {p.live_coverage:.0%} of faults")
+    return (
+        f"{p.failure_rate_per_node_day * 1000:g} faults per 1000 node-days "
+        f"({p.gpus_per_node} GPUs a node), restart overhead {p.restart_overhead_s / 60:g} min, "
+        f"checkpoint write {p.ckpt_write_s:g} s; "
+        f"live migration: {p.live_recovery_s:g} s pause, "
+        f"covers {p.live_coverage:.0%} of faults"
+    )
 
 
 def _minutes(seconds: float) -> str:

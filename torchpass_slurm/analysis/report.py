@@ -102,9 +102,14 @@ CLASSES = tuple(c.value for c in FaultClass)
 #: How the job's own drains begin their reason (the planner's pre-emptive drain).
 PRE_EMPTIVE_REASON = "torchpass: pre-emptive"
 #: Resolutions, in the order they are reported; None is "unresolved".
-RESOLUTIONS: tuple[str | None, ...] = (Resolution.LIVE.value, Resolution.REGROUP.value,
-                                       Resolution.CHECKPOINT.value, Resolution.DEFERRED.value,
-                                       Resolution.FATAL.value, None)
+RESOLUTIONS: tuple[str | None, ...] = (
+    Resolution.LIVE.value,
+    Resolution.REGROUP.value,
+    Resolution.CHECKPOINT.value,
+    Resolution.DEFERRED.value,
+    Resolution.FATAL.value,
+    None,
+)
 
 # --- results ------------------------------------------------------------------
 
@@ -302,8 +307,9 @@ class _Reader:
         seen, warning = drain if drain is not None else (None, unclaimed)
         reason = str(acted.fields.get("reason") or (seen.fields.get("reason") if seen else None) or "")
         pre_emptive = reason.startswith(PRE_EMPTIVE_REASON) or warning is not None
-        return _Cause("pre-emptive" if pre_emptive else "planned", node, acted,
-                      mark=warning or seen, reason=reason)
+        return _Cause(
+            "pre-emptive" if pre_emptive else "planned", node, acted, mark=warning or seen, reason=reason
+        )
 
     def _opened(self) -> _Recovery:
         """The open recovery; a new one if none is open."""
@@ -387,14 +393,22 @@ def analyse(events: Iterable[Event], source: str = "") -> JobReport:
         reader.feed(event)
     faults = [_fault(c, r) for r in reader.recoveries for c in r.causes]
     job = next((e.job for e in events if e.job), "")
-    return JobReport(job=job, source=source, faults=tuple(faults),
-                     spare_faults=tuple(sorted(reader.spare_faults.values(), key=lambda s: s.ts)))
+    return JobReport(
+        job=job,
+        source=source,
+        faults=tuple(faults),
+        spare_faults=tuple(sorted(reader.spare_faults.values(), key=lambda s: s.ts)),
+    )
 
 
 def _spare_fault(event: Event, detector: str) -> SpareFault:
     fields = event.fields
-    return SpareFault(ts=event.ts, node=str(fields.get("node", "")),
-                      detector=str(fields.get("detector") or detector), detail=str(fields.get("detail") or ""))
+    return SpareFault(
+        ts=event.ts,
+        node=str(fields.get("node", "")),
+        detector=str(fields.get("detector") or detector),
+        detail=str(fields.get("detail") or ""),
+    )
 
 
 def _fault(cause: _Cause, recovery: _Recovery) -> FaultRecord:
@@ -431,14 +445,22 @@ def _phases(cause: _Cause, recovery: _Recovery) -> Phases:
     marks = [
         heartbeat,
         detected,
-        *(_ts(e) for e in (recovery.started, recovery.rebuilt, recovery.agreement,
-                           recovery.transfer, recovery.first_step)),
+        *(
+            _ts(e)
+            for e in (
+                recovery.started,
+                recovery.rebuilt,
+                recovery.agreement,
+                recovery.transfer,
+                recovery.first_step,
+            )
+        ),
     ]
     # The ranks' reports reach the supervisor in any order: a rank's group_rebuilt can
     # be logged after the agreement, which needs every rank's group. Each phase ended
     # by the time the next one did, so an earlier mark is capped by the later ones.
     for i in range(len(marks) - 2, 1, -1):
-        later = next((m for m in marks[i + 1:] if m is not None), None)
+        later = next((m for m in marks[i + 1 :] if m is not None), None)
         if marks[i] is not None and later is not None and marks[i] > later:
             marks[i] = later
     spans = [_interval(a, b) for a, b in zip(marks, marks[1:])]
@@ -469,4 +491,3 @@ def _interval(start: float | None, end: float | None) -> float | None:
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
-

@@ -117,15 +117,22 @@ def summarise(reports: Iterable[JobReport]) -> Summary:
         c: _class_summary(*_where(faults, firsts, "fault_class", c))
         for c in _ordered({f.fault_class for f in faults}, CLASSES)
     }
-    return Summary(by_resolution=by_resolution, by_class=by_class, total=_class_summary(faults, firsts),
-                   spare_faults=sum(len(r.spare_faults) for r in reports))
+    return Summary(
+        by_resolution=by_resolution,
+        by_class=by_class,
+        total=_class_summary(faults, firsts),
+        spare_faults=sum(len(r.spare_faults) for r in reports),
+    )
 
 
-def _where(faults: Sequence[FaultRecord], firsts: Sequence[FaultRecord], attribute: str,
-           value: Any) -> tuple[list[FaultRecord], list[FaultRecord]]:
+def _where(
+    faults: Sequence[FaultRecord], firsts: Sequence[FaultRecord], attribute: str, value: Any
+) -> tuple[list[FaultRecord], list[FaultRecord]]:
     """The faults, and the recoveries' first faults, whose ``attribute`` is ``value``."""
-    return ([f for f in faults if getattr(f, attribute) == value],
-            [f for f in firsts if getattr(f, attribute) == value])
+    return (
+        [f for f in faults if getattr(f, attribute) == value],
+        [f for f in firsts if getattr(f, attribute) == value],
+    )
 
 
 def _ordered(present: set[Any], order: Sequence[Any]) -> list[Any]:

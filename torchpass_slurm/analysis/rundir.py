@@ -28,8 +28,7 @@ from torchpass_slurm.supervisor.status import STATUS_FILE
 if TYPE_CHECKING:
     from torchpass_slurm.slurm import Job, SlurmBackend
 
-__all__ = ["find_run_dir", "is_run_dir", "run_dir_from_comment", "run_dir_of_job",
-           "run_dirs_in"]
+__all__ = ["find_run_dir", "is_run_dir", "run_dir_from_comment", "run_dir_of_job", "run_dirs_in"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ def run_dir_from_comment(comment: str | None) -> Path | None:
     at = comment.find(RUN_DIR_COMMENT_PREFIX)
     if at < 0:
         return None
-    path = comment[at + len(RUN_DIR_COMMENT_PREFIX):].strip()
+    path = comment[at + len(RUN_DIR_COMMENT_PREFIX) :].strip()
     return Path(path) if path else None
 
 
@@ -79,8 +78,7 @@ def run_dir_of_job(job: Job) -> Path:
     if from_comment is not None:
         if not from_comment.is_dir():
             raise RunDirError(
-                f"job {job.job_id}'s comment names the run folder {from_comment}, "
-                "which does not exist here",
+                f"job {job.job_id}'s comment names the run folder {from_comment}, which does not exist here",
                 hint="run this on a host that mounts that file system, or pass the run folder instead",
             )
         return from_comment
@@ -102,8 +100,9 @@ def find_run_dir(job_or_path: str, backend: SlurmBackend | None = None) -> Path:
     ``backend`` is asked for the job (default: :func:`~torchpass_slurm.slurm.select_backend`).
     """
     if not job_or_path.strip():
-        raise RunDirError("no job id or run folder was given",
-                          hint="pass a job id (e.g. 4242) or the job's run folder")
+        raise RunDirError(
+            "no job id or run folder was given", hint="pass a job id (e.g. 4242) or the job's run folder"
+        )
     path = Path(job_or_path).expanduser()
     if path.is_dir():
         if is_run_dir(path):

@@ -112,12 +112,14 @@ def write_traceback(err: BaseException, prog: str, argv: Sequence[str]) -> Path 
     None when no folder of :func:`log_folders` can be written.
     """
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    text = "".join([
-        f"{prog}: internal error at {time.strftime('%Y-%m-%d %H:%M:%S %z')}\n",
-        f"command: {' '.join([prog, *argv])}\n",
-        f"torchpass-slurm {__version__}, Python {platform.python_version()}, {platform.platform()}\n\n",
-        *traceback.format_exception(type(err), err, err.__traceback__),
-    ])
+    text = "".join(
+        [
+            f"{prog}: internal error at {time.strftime('%Y-%m-%d %H:%M:%S %z')}\n",
+            f"command: {' '.join([prog, *argv])}\n",
+            f"torchpass-slurm {__version__}, Python {platform.python_version()}, {platform.platform()}\n\n",
+            *traceback.format_exception(type(err), err, err.__traceback__),
+        ]
+    )
     for folder in log_folders():
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -137,8 +139,11 @@ def render_internal_error(err: Exception, prog: str, argv: Sequence[str], *, deb
     log = write_traceback(err, prog, argv)
     what = (str(err).splitlines() or [""])[0]
     seen = f"{type(err).__name__}: {what}" if what else type(err).__name__
-    where = (f"the traceback is in {log}" if log is not None
-             else f"the traceback could not be written ({', '.join(map(str, log_folders()))}); rerun with --debug")
+    where = (
+        f"the traceback is in {log}"
+        if log is not None
+        else f"the traceback could not be written ({', '.join(map(str, log_folders()))}); rerun with --debug"
+    )
     click.echo(f"error: internal error in {prog} (a bug, please report it): {seen}; {where}", err=True)
     return EXIT_INTERNAL
 

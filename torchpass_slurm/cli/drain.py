@@ -23,8 +23,13 @@ POLL_INTERVAL_S = 2.0
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("node")
 @click.option("--reason", required=True, help="Why: Slurm keeps it with the drain.")
-@click.option("--timeout", type=click.FloatRange(min=1), default=900.0, show_default=True,
-              help="Seconds to wait for the node to become DRAINED.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=900.0,
+    show_default=True,
+    help="Seconds to wait for the node to become DRAINED.",
+)
 @click.option("--no-wait", is_flag=True, help="Drain and return at once.")
 @pass_app
 def drain(app: App, node: str, reason: str, timeout: float, no_wait: bool) -> None:
@@ -51,7 +56,7 @@ def drain(app: App, node: str, reason: str, timeout: float, no_wait: bool) -> No
             if time.monotonic() > deadline:
                 raise TorchpassError(
                     f"{node} is still {last} after {timeout:g} s",
-                    hint="a job not running under tp run keeps the node until it ends; "
-                         "see `squeue -w NODE`")
+                    hint="a job not running under tp run keeps the node until it ends; see `squeue -w NODE`",
+                )
             time.sleep(POLL_INTERVAL_S)
     click.echo(f"{node} is DRAINED: free for maintenance")

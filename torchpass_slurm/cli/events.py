@@ -30,7 +30,7 @@ FINAL_KINDS = frozenset({FINISHED, FAILED})
 
 def format_value(value: Any) -> str:
     """A field value for ``key=value``: plain words as they are, anything else as JSON."""
-    if isinstance(value, str) and value and not any(c.isspace() or c in "\"=" for c in value):
+    if isinstance(value, str) and value and not any(c.isspace() or c in '"=' for c in value):
         return value
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
@@ -81,10 +81,16 @@ def follow(path: Path, kinds: Collection[str], as_json: bool, interval: float = 
 @click.command("events")
 @click.argument("job_or_run_dir", metavar="JOB_OR_RUN_DIR")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON lines as stored.")
-@click.option("-k", "--kind", "kinds", multiple=True, metavar="K",
-              help="Only events of kind K (repeat, or K1,K2).")
-@click.option("-f", "--follow", "following", is_flag=True,
-              help="Keep printing new events until the job finishes or fails (Ctrl-C to stop).")
+@click.option(
+    "-k", "--kind", "kinds", multiple=True, metavar="K", help="Only events of kind K (repeat, or K1,K2)."
+)
+@click.option(
+    "-f",
+    "--follow",
+    "following",
+    is_flag=True,
+    help="Keep printing new events until the job finishes or fails (Ctrl-C to stop).",
+)
 @pass_app
 def events(app: App, job_or_run_dir: str, as_json: bool, kinds: tuple[str, ...], following: bool) -> None:
     """Show a job's events: faults, promotions, restarts, the end.

@@ -53,16 +53,30 @@ def notify(message: str) -> None:
         pass
 
 
-config_option = click.option("--config", "config_path", metavar="FILE", type=click.Path(dir_okay=False),
-                             help="Thresholds file (TOML or JSON); default $TORCHPASS_HEALTH_CONFIG, "
-                                  "then /etc/torchpass/health.toml.")
-source_option = click.option("--source", type=click.Choice(SOURCE_CHOICES), default=None,
-                             help="Where GPU facts come from (default: the config's, normally auto).")
-node_option = click.option("--node", metavar="NAME", default=None,
-                           help="This node's Slurm name (default $SLURMD_NODENAME, else the host name).")
+config_option = click.option(
+    "--config",
+    "config_path",
+    metavar="FILE",
+    type=click.Path(dir_okay=False),
+    help="Thresholds file (TOML or JSON); default $TORCHPASS_HEALTH_CONFIG, then /etc/torchpass/health.toml.",
+)
+source_option = click.option(
+    "--source",
+    type=click.Choice(SOURCE_CHOICES),
+    default=None,
+    help="Where GPU facts come from (default: the config's, normally auto).",
+)
+node_option = click.option(
+    "--node",
+    metavar="NAME",
+    default=None,
+    help="This node's Slurm name (default $SLURMD_NODENAME, else the host name).",
+)
 
 
-def _evaluate(config_path: str | None, source: str | None, node: str | None) -> tuple[HealthConfig, HealthReport]:
+def _evaluate(
+    config_path: str | None, source: str | None, node: str | None
+) -> tuple[HealthConfig, HealthReport]:
     """Load the config, gather once, judge. Raises ConfigError for a bad config or source."""
     from torchpass_slurm.health.config import load_config
     from torchpass_slurm.health.run import run_health
@@ -116,12 +130,18 @@ def _print_report(app: App, report: HealthReport) -> None:
         table.add_row(f"[{_STYLE[r.status.name]}]{r.status.name}[/]", r.check, gpu, r.message)
     app.console.print(table)
     status = report.status.name
-    app.console.print(f"{report.node}: [{_STYLE[status]}]{status}[/] "
-                      f"(source {report.source}, {report.duration_s:.2f} s)")
+    app.console.print(
+        f"{report.node}: [{_STYLE[status]}]{status}[/] (source {report.source}, {report.duration_s:.2f} s)"
+    )
 
 
-def _hook(config_path: str | None, source: str | None, node: str | None,
-          decide: Callable[[HealthConfig, HealthReport], tuple[int, str | None]], broken_exit: int) -> NoReturn:
+def _hook(
+    config_path: str | None,
+    source: str | None,
+    node: str | None,
+    decide: Callable[[HealthConfig, HealthReport], tuple[int, str | None]],
+    broken_exit: int,
+) -> NoReturn:
     """Shared shell of the Slurm hooks: quiet unless there is something to say."""
     try:
         config, report = _evaluate(config_path, source, node)
@@ -182,14 +202,25 @@ def node_check_command(config_path: str | None, source: str | None, node: str | 
 
 
 @health.command("install")
-@click.option("--write", "write_dir", metavar="DIR", type=click.Path(file_okay=False),
-              help="Write the files into DIR (they are only shown otherwise).")
+@click.option(
+    "--write",
+    "write_dir",
+    metavar="DIR",
+    type=click.Path(file_okay=False),
+    help="Write the files into DIR (they are only shown otherwise).",
+)
 @click.option("--force", is_flag=True, help="With --write: replace files that exist.")
-@click.option("--tp", "tp_path", metavar="PATH", default=None,
-              help="The tp the wrappers run (default: this tp's path).")
+@click.option(
+    "--tp", "tp_path", metavar="PATH", default=None, help="The tp the wrappers run (default: this tp's path)."
+)
 @click.option("--script-dir", default="/etc/slurm", show_default=True, help="Where the wrappers will live.")
-@click.option("--interval", default=300, show_default=True, type=click.IntRange(min=1),
-              help="HealthCheckInterval, seconds.")
+@click.option(
+    "--interval",
+    default=300,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="HealthCheckInterval, seconds.",
+)
 def install(write_dir: str | None, force: bool, tp_path: str | None, script_dir: str, interval: int) -> None:
     """Show (or --write) the slurm.conf lines, a config template and the wrapper scripts."""
     from torchpass_slurm.health.install import InstallPaths, install_files
@@ -214,8 +245,10 @@ def _this_tp() -> str:
 def _write_files(folder: Path, files: list[InstallFile], *, force: bool) -> None:
     existing = [f.name for f in files if (folder / f.name).exists()]
     if existing and not force:
-        raise ConfigError(f"{folder} already holds {', '.join(existing)}; nothing was written",
-                          hint="pass --force to replace them, or choose another folder")
+        raise ConfigError(
+            f"{folder} already holds {', '.join(existing)}; nothing was written",
+            hint="pass --force to replace them, or choose another folder",
+        )
     folder.mkdir(parents=True, exist_ok=True)
     for f in files:
         target = folder / f.name

@@ -19,19 +19,38 @@ from torchpass_slurm.cli.app import App, run_cli
 #: that ``tp --help`` can list commands without importing them.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "nodes": ("torchpass_slurm.cli.nodes", "nodes", "Show the cluster's nodes as Slurm reports them."),
-    "health": ("torchpass_slurm.cli.health", "health",
-               "Node health checks and the Slurm hooks that drain bad nodes (admins)."),
+    "health": (
+        "torchpass_slurm.cli.health",
+        "health",
+        "Node health checks and the Slurm hooks that drain bad nodes (admins).",
+    ),
     "hostlist": ("torchpass_slurm.cli.hostlist", "hostlist", "Expand or compress a Slurm hostlist."),
     "status": ("torchpass_slurm.cli.status", "status", "Show a job's nodes, roles, ranks and heartbeats."),
-    "events": ("torchpass_slurm.cli.events", "events", "Show a job's event log (faults, promotions, restarts)."),
-    "report": ("torchpass_slurm.cli.report", "report",
-               "Show a job's faults, how each was resolved, the recovery times."),
-    "drain": ("torchpass_slurm.cli.drain", "drain",
-              "Drain a node and wait until jobs under tp run have moved off it."),
-    "goodput": ("torchpass_slurm.cli.goodput", "goodput",
-                "Expected training time ratio and lost GPU-hours: checkpoint restart against live migration."),
-    "run": ("torchpass_slurm.cli.run", "run",
-            "Run a command on the job's nodes under the supervisor (the drop-in for srun)."),
+    "events": (
+        "torchpass_slurm.cli.events",
+        "events",
+        "Show a job's event log (faults, promotions, restarts).",
+    ),
+    "report": (
+        "torchpass_slurm.cli.report",
+        "report",
+        "Show a job's faults, how each was resolved, the recovery times.",
+    ),
+    "drain": (
+        "torchpass_slurm.cli.drain",
+        "drain",
+        "Drain a node and wait until jobs under tp run have moved off it.",
+    ),
+    "goodput": (
+        "torchpass_slurm.cli.goodput",
+        "goodput",
+        "Expected training time ratio and lost GPU-hours: checkpoint restart against live migration.",
+    ),
+    "run": (
+        "torchpass_slurm.cli.run",
+        "run",
+        "Run a command on the job's nodes under the supervisor (the drop-in for srun).",
+    ),
 }
 
 

@@ -43,11 +43,35 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: Columns of the per-fault table.
-FAULT_COLUMNS = ("#", "TIME", "CLASS", "NODE", "DETECTOR", "RESOLUTION", "LOST", "RECOMPUTED",
-                 "DETECT", "DECIDE", "REBUILD", "AGREE", "TRANSFER", "FIRST STEP", "TOTAL")
+FAULT_COLUMNS = (
+    "#",
+    "TIME",
+    "CLASS",
+    "NODE",
+    "DETECTOR",
+    "RESOLUTION",
+    "LOST",
+    "RECOMPUTED",
+    "DETECT",
+    "DECIDE",
+    "REBUILD",
+    "AGREE",
+    "TRANSFER",
+    "FIRST STEP",
+    "TOTAL",
+)
 #: Columns of the totals per fault class (several jobs).
-CLASS_COLUMNS = ("CLASS", "EVENTS", "NO LOST PROGRESS", "SHARE", "LIVE", "CHECKPOINT", "OTHER", "LOST",
-                 "RECOMPUTED")
+CLASS_COLUMNS = (
+    "CLASS",
+    "EVENTS",
+    "NO LOST PROGRESS",
+    "SHARE",
+    "LIVE",
+    "CHECKPOINT",
+    "OTHER",
+    "LOST",
+    "RECOMPUTED",
+)
 #: Columns of the totals per resolution (several jobs).
 TOTAL_COLUMNS = ("RESOLUTION", "FAULTS", "RECOVERIES", "LOST", "RECOMPUTED")
 #: Width a table is measured in before it is printed (wider than any table).
@@ -57,7 +81,7 @@ UNBOUNDED_WIDTH = 10_000
 LEGEND = (
     "A fault is unplanned (the first detection -- heartbeat_lost, node_down, step_exited with exit code "
     "!= 0 -- of an active node; more in one recovery count once), pre-emptive (a drain after the node's "
-    "health_warning, or with the reason \"torchpass: pre-emptive\") or planned (another drain); a drain "
+    'health_warning, or with the reason "torchpass: pre-emptive") or planned (another drain); a drain '
     "counts once migrated (migration_started mode=planned) or deferred (drain_deferred: nothing lost). "
     "Resolution: deferred, else migration_done.resolution, else restarted from a checkpoint -> "
     "checkpoint, else failed -> fatal. Phases (s): detect = last heartbeat -> detected (none for a "
@@ -90,8 +114,10 @@ def load_reports(args: Sequence[str]) -> list[JobReport]:
             if report is not None:
                 reports.append(report)
     if not reports:
-        raise RunDirError(f"none of the run folders found has a readable event log ({len(seen)} skipped)",
-                          hint=f"a job that has not started has no {EVENTS_FILE} yet; see the warnings above")
+        raise RunDirError(
+            f"none of the run folders found has a readable event log ({len(seen)} skipped)",
+            hint=f"a job that has not started has no {EVENTS_FILE} yet; see the warnings above",
+        )
     return reports
 
 
@@ -134,13 +160,30 @@ def fault_table(report: JobReport) -> Table:
     rows = []
     for i, fault in enumerate(report.faults, 1):
         p = fault.phases
-        rows.append((
-            str(i), format_time(fault.ts), fault.fault_class, fault.node, fault.detector,
-            fault.resolution or "unresolved",
-            format_steps(fault.lost_steps), format_steps(fault.recomputed_steps),
-            *(format_seconds(s) for s in (p.detection, p.decision, p.rebuild, p.agreement,
-                                          p.transfer, p.first_step, p.total)),
-        ))
+        rows.append(
+            (
+                str(i),
+                format_time(fault.ts),
+                fault.fault_class,
+                fault.node,
+                fault.detector,
+                fault.resolution or "unresolved",
+                format_steps(fault.lost_steps),
+                format_steps(fault.recomputed_steps),
+                *(
+                    format_seconds(s)
+                    for s in (
+                        p.detection,
+                        p.decision,
+                        p.rebuild,
+                        p.agreement,
+                        p.transfer,
+                        p.first_step,
+                        p.total,
+                    )
+                ),
+            )
+        )
     return _table(FAULT_COLUMNS, rows, numeric_from=6)
 
 
@@ -152,8 +195,10 @@ def render_totals(summary: Summary) -> RenderableType:
     parts: list[RenderableType] = [Text("totals", style="bold")]
     if summary.faults:
         parts.append(class_table(summary))
-        rows = [(resolution or "unresolved", str(t.faults), str(t.recoveries), *_step_cells(t))
-                for resolution, t in summary.by_resolution.items()]
+        rows = [
+            (resolution or "unresolved", str(t.faults), str(t.recoveries), *_step_cells(t))
+            for resolution, t in summary.by_resolution.items()
+        ]
         parts.append(_table(TOTAL_COLUMNS, rows, numeric_from=1))
     parts.append(Text(summary_line(summary)))
     spares = spare_line(summary.spare_faults)
@@ -170,8 +215,16 @@ def class_table(summary: Summary) -> Table:
 
 def _class_row(name: str, c: ClassSummary) -> tuple[str, ...]:
     live, checkpoint = c.by_resolution.get("live", 0), c.by_resolution.get("checkpoint", 0)
-    return (name, str(c.totals.faults), str(c.no_lost_progress), format_percent(c.share_no_lost_progress),
-            str(live), str(checkpoint), str(c.totals.faults - live - checkpoint), *_step_cells(c.totals))
+    return (
+        name,
+        str(c.totals.faults),
+        str(c.no_lost_progress),
+        format_percent(c.share_no_lost_progress),
+        str(live),
+        str(checkpoint),
+        str(c.totals.faults - live - checkpoint),
+        *_step_cells(c.totals),
+    )
 
 
 def sections(reports: Sequence[JobReport], *, totals_only: bool = False) -> list[RenderableType]:
@@ -184,8 +237,9 @@ def sections(reports: Sequence[JobReport], *, totals_only: bool = False) -> list
     return parts
 
 
-def print_report(console: Console, reports: Sequence[JobReport], *, totals_only: bool = False,
-                 explain: bool = False) -> None:
+def print_report(
+    console: Console, reports: Sequence[JobReport], *, totals_only: bool = False, explain: bool = False
+) -> None:
     """The sections, each as wide as its table needs, a blank line apart; with ``explain`` the legend."""
     from rich.text import Text
 
@@ -214,8 +268,12 @@ def print_wide(console: Console, renderable: RenderableType) -> None:
         console.width = width
 
 
-def _table(columns: Sequence[str], rows: Sequence[Sequence[str]], numeric_from: int,
-           footer: Sequence[str] | None = None) -> Table:
+def _table(
+    columns: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    numeric_from: int,
+    footer: Sequence[str] | None = None,
+) -> Table:
     """A borderless table; columns from ``numeric_from`` on (and ``#``) are right-aligned.
 
     A ``footer`` row (totals) is drawn under a line.
@@ -223,12 +281,14 @@ def _table(columns: Sequence[str], rows: Sequence[Sequence[str]], numeric_from: 
     from rich import box
     from rich.table import Table
 
-    table = Table(box=box.SIMPLE, show_edge=False, pad_edge=False, show_footer=footer is not None,
-                  footer_style="none")
+    table = Table(
+        box=box.SIMPLE, show_edge=False, pad_edge=False, show_footer=footer is not None, footer_style="none"
+    )
     for i, column in enumerate(columns):
         numeric = i >= numeric_from or column == "#"
-        table.add_column(column, footer=footer[i] if footer else "", justify="right" if numeric else "left",
-                         no_wrap=True)
+        table.add_column(
+            column, footer=footer[i] if footer else "", justify="right" if numeric else "left", no_wrap=True
+        )
     for row in rows:
         table.add_row(*row)
     return table
@@ -251,8 +311,10 @@ def format_steps(steps: int | None) -> str:
 
 def _step_cells(totals: Totals) -> tuple[str, str]:
     """The LOST and RECOMPUTED cells of a totals row."""
-    return (_steps_total(totals.lost_steps, totals.lost_steps_unknown, totals.recoveries),
-            _steps_total(totals.recomputed_steps, totals.recomputed_steps_unknown, totals.recoveries))
+    return (
+        _steps_total(totals.lost_steps, totals.lost_steps_unknown, totals.recoveries),
+        _steps_total(totals.recomputed_steps, totals.recomputed_steps_unknown, totals.recoveries),
+    )
 
 
 def _steps_total(known: int, unknown: int, recoveries: int) -> str:
@@ -264,13 +326,22 @@ def _steps_total(known: int, unknown: int, recoveries: int) -> str:
 
 @click.command("report")
 @click.argument("jobs_or_run_dirs", metavar="JOB_OR_RUN_DIR...", nargs=-1, required=True)
-@click.option("--json", "as_json", is_flag=True,
-              help="Print faults[] and summary{} as JSON (several jobs: jobs[] and totals{}).")
-@click.option("--totals-only", is_flag=True,
-              help="Print only the totals (per fault class and per resolution), not each job.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print faults[] and summary{} as JSON (several jobs: jobs[] and totals{}).",
+)
+@click.option(
+    "--totals-only",
+    is_flag=True,
+    help="Print only the totals (per fault class and per resolution), not each job.",
+)
 @click.option("--explain", is_flag=True, help="Print under the report how to read it (the rules).")
 @pass_app
-def report(app: App, jobs_or_run_dirs: tuple[str, ...], as_json: bool, totals_only: bool, explain: bool) -> None:
+def report(
+    app: App, jobs_or_run_dirs: tuple[str, ...], as_json: bool, totals_only: bool, explain: bool
+) -> None:
     """Show every fault of a job, how it was resolved, and the recovery-time split.
 
     JOB_OR_RUN_DIR is a Slurm job id submitted with tp-submit, the job's run

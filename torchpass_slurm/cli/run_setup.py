@@ -25,8 +25,16 @@ from torchpass_slurm.supervisor.workers import StepLauncher
 logger = logging.getLogger(__name__)
 
 
-def build_supervisor(*, job_id: int, command: Sequence[str], spares: int, ntasks_per_node: int,
-                     run_dir: Path, host: str, recovery: str = "live") -> Supervisor:
+def build_supervisor(
+    *,
+    job_id: int,
+    command: Sequence[str],
+    spares: int,
+    ntasks_per_node: int,
+    run_dir: Path,
+    host: str,
+    recovery: str = "live",
+) -> Supervisor:
     slurm = select_backend()
     job = slurm.job(job_id)
     nodes = _ordered_nodes(job.nodes, job.batch_host)
@@ -35,7 +43,8 @@ def build_supervisor(*, job_id: int, command: Sequence[str], spares: int, ntasks
         raise ConfigError(
             f"job {job_id} has {len(nodes)} node(s) ({', '.join(nodes)}) but {n_active} active "
             f"+ {spares} spare(s) were asked for",
-            hint="submit with tp-submit, which asks Slurm for N+S nodes")
+            hint="submit with tp-submit, which asks Slurm for N+S nodes",
+        )
     membership = Membership.initial(nodes[: n_active + spares], n_active, ntasks_per_node)
     run_dir.mkdir(parents=True, exist_ok=True)
     secret_file = Path(os.environ.get(cfg.ENV_SECRET_FILE) or create_secret(run_dir))
@@ -45,16 +54,30 @@ def build_supervisor(*, job_id: int, command: Sequence[str], spares: int, ntasks
     store = _host_store(host)
     if store is not None:
         env[cfg.ENV_STORE] = f"{host}:{store.port}"
-    launcher = StepLauncher(slurm, job_id=job_id, command=command,
-                            control_endpoint=server.endpoint, base_env=env)
+    launcher = StepLauncher(
+        slurm, job_id=job_id, command=command, control_endpoint=server.endpoint, base_env=env
+    )
     events = EventLog(run_dir / EVENTS_FILE, job=str(job_id), epoch=membership.epoch)
-    logger.info("supervising job %d: active %s, spares %s, control %s", job_id,
-                ",".join(membership.active), ",".join(membership.spares) or "-", server.endpoint)
-    supervisor = Supervisor(job_id=job_id, run_dir=run_dir, membership=membership,
-                            launcher=launcher, server=server, slurm=slurm, events=events,
-                            config=cfg.SupervisorConfig(),
-                            store=(host, store.port) if store is not None else ("", 0),
-                            recovery=recovery, batch_host=host)
+    logger.info(
+        "supervising job %d: active %s, spares %s, control %s",
+        job_id,
+        ",".join(membership.active),
+        ",".join(membership.spares) or "-",
+        server.endpoint,
+    )
+    supervisor = Supervisor(
+        job_id=job_id,
+        run_dir=run_dir,
+        membership=membership,
+        launcher=launcher,
+        server=server,
+        slurm=slurm,
+        events=events,
+        config=cfg.SupervisorConfig(),
+        store=(host, store.port) if store is not None else ("", 0),
+        recovery=recovery,
+        batch_host=host,
+    )
     supervisor.keepalive = store  # the store lives as long as the supervisor
     return supervisor
 
@@ -74,8 +97,11 @@ def _host_store(host: str) -> Any:
 
         return make_tcp_store("0.0.0.0", 0, is_master=True, timeout=STORE_TIMEOUT)
     except ImportError:
-        logger.warning("torch is not importable on %s: no rendezvous store, live migration "
-                       "is off (lost ranks restart from the last checkpoint)", host)
+        logger.warning(
+            "torch is not importable on %s: no rendezvous store, live migration "
+            "is off (lost ranks restart from the last checkpoint)",
+            host,
+        )
         return None
 
 

@@ -126,11 +126,13 @@ def render_status(status: JobStatus, now: float) -> RenderableType:
     if status.message:
         parts.append(Text(status.message))
     if is_stale(status, now):
-        parts.append(Text(
-            f"warning: no update for {format_age(now - status.updated)}: the supervisor is gone or hung "
-            "(see `squeue`, the job's output)",
-            style="yellow",
-        ))
+        parts.append(
+            Text(
+                f"warning: no update for {format_age(now - status.updated)}: the supervisor is gone or hung "
+                "(see `squeue`, the job's output)",
+                style="yellow",
+            )
+        )
     table = Table(box=box.SIMPLE, show_edge=False)
     for column in ("NODE", "ROLE", "RANKS", "STATE", "STEP", "HEARTBEAT", "EXIT"):
         table.add_column(column, overflow="fold")
@@ -189,8 +191,15 @@ def _watch_loop(run_dir: Path, interval: float, show: Callable[[RenderableType],
 @click.argument("job_or_run_dir", metavar="JOB_OR_RUN_DIR")
 @click.option("--json", "as_json", is_flag=True, help="Print status.json with heartbeat ages, as JSON.")
 @click.option("-w", "--watch", "watching", is_flag=True, help="Redraw until the job ends (Ctrl-C to stop).")
-@click.option("-i", "--interval", type=click.FloatRange(min=0.1), default=WATCH_INTERVAL_S, show_default=True,
-              metavar="S", help="Seconds between redraws of --watch.")
+@click.option(
+    "-i",
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=WATCH_INTERVAL_S,
+    show_default=True,
+    metavar="S",
+    help="Seconds between redraws of --watch.",
+)
 @pass_app
 def status(app: App, job_or_run_dir: str, as_json: bool, watching: bool, interval: float) -> None:
     """Show a job's nodes, roles, ranks, steps and heartbeats.

@@ -186,8 +186,10 @@ def tp_submit(app: App, argv: tuple[str, ...]) -> None:
     if _given("parsable", request, script):
         click.echo(result.job_id)
     else:
-        click.echo(f"Submitted batch job {result.job_id} ({describe_layout(result.spec)}; "
-                   f"run dir: {result.spec.run_dir})")
+        click.echo(
+            f"Submitted batch job {result.job_id} ({describe_layout(result.spec)}; "
+            f"run dir: {result.spec.run_dir})"
+        )
 
 
 def main() -> None:

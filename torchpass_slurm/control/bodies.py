@@ -53,23 +53,38 @@ class Promote:
     store_port: int = 0
 
     def to_body(self) -> dict[str, Any]:
-        return {"rank": self.rank, "local_rank": self.local_rank, "world_size": self.world_size,
-                "master_addr": self.master_addr, "master_port": self.master_port,
-                "epoch": self.epoch, "mode": self.mode.value, "store_addr": self.store_addr,
-                "store_port": self.store_port}
+        return {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "world_size": self.world_size,
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "epoch": self.epoch,
+            "mode": self.mode.value,
+            "store_addr": self.store_addr,
+            "store_port": self.store_port,
+        }
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Promote:
         try:
             mode = PromoteMode(body.get("mode", PromoteMode.RESTART.value))
         except ValueError:
-            raise ControlPlaneError(f"promote body field 'mode' is {body.get('mode')!r}; "
-                                    f"expected one of {', '.join(m.value for m in PromoteMode)}") from None
-        ints = {n: _field(body, n, int, "promote")
-                for n in ("rank", "local_rank", "world_size", "master_port", "epoch")}
-        return cls(master_addr=_field(body, "master_addr", str, "promote"), mode=mode,
-                   store_addr=str(body.get("store_addr") or ""),
-                   store_port=int(body.get("store_port") or 0), **ints)
+            raise ControlPlaneError(
+                f"promote body field 'mode' is {body.get('mode')!r}; "
+                f"expected one of {', '.join(m.value for m in PromoteMode)}"
+            ) from None
+        ints = {
+            n: _field(body, n, int, "promote")
+            for n in ("rank", "local_rank", "world_size", "master_port", "epoch")
+        }
+        return cls(
+            master_addr=_field(body, "master_addr", str, "promote"),
+            mode=mode,
+            store_addr=str(body.get("store_addr") or ""),
+            store_port=int(body.get("store_port") or 0),
+            **ints,
+        )
 
 
 @dataclass(frozen=True)
@@ -88,8 +103,12 @@ class Reconfigure:
     leave: tuple[int, ...] = ()
 
     def to_body(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"epoch": self.epoch, "world_size": self.world_size,
-                                "store_addr": self.store_addr, "store_port": self.store_port}
+        body: dict[str, Any] = {
+            "epoch": self.epoch,
+            "world_size": self.world_size,
+            "store_addr": self.store_addr,
+            "store_port": self.store_port,
+        }
         if self.planned:
             body.update(planned=True, leave=list(self.leave))
         return body
@@ -97,15 +116,16 @@ class Reconfigure:
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Reconfigure:
         leave = body.get("leave", [])
-        if not isinstance(leave, list) or any(isinstance(r, bool) or not isinstance(r, int)
-                                              for r in leave):
-            raise ControlPlaneError(f"reconfigure body field 'leave' is {leave!r}; "
-                                    "expected a list of ranks")
-        return cls(epoch=_field(body, "epoch", int, "reconfigure"),
-                   world_size=_field(body, "world_size", int, "reconfigure"),
-                   store_addr=_field(body, "store_addr", str, "reconfigure"),
-                   store_port=_field(body, "store_port", int, "reconfigure"),
-                   planned=body.get("planned") is True, leave=tuple(leave))
+        if not isinstance(leave, list) or any(isinstance(r, bool) or not isinstance(r, int) for r in leave):
+            raise ControlPlaneError(f"reconfigure body field 'leave' is {leave!r}; expected a list of ranks")
+        return cls(
+            epoch=_field(body, "epoch", int, "reconfigure"),
+            world_size=_field(body, "world_size", int, "reconfigure"),
+            store_addr=_field(body, "store_addr", str, "reconfigure"),
+            store_port=_field(body, "store_port", int, "reconfigure"),
+            planned=body.get("planned") is True,
+            leave=tuple(leave),
+        )
 
 
 @dataclass(frozen=True)
@@ -150,12 +170,15 @@ class Report:
         try:
             kind = ReportKind(body.get("event"))
         except ValueError:
-            raise ControlPlaneError(f"unknown report {body.get('event')!r}; expected one of "
-                                    f"{', '.join(k.value for k in ReportKind)}") from None
+            raise ControlPlaneError(
+                f"unknown report {body.get('event')!r}; expected one of "
+                f"{', '.join(k.value for k in ReportKind)}"
+            ) from None
         fields = body.get("fields")
         if not isinstance(fields, Mapping):
-            raise ControlPlaneError(f"{kind.value!r} report fields are {type(fields).__name__}; "
-                                    "expected an object")
+            raise ControlPlaneError(
+                f"{kind.value!r} report fields are {type(fields).__name__}; expected an object"
+            )
         for name, type_ in REPORT_FIELDS.get(kind, {}).items():
             _field(fields, name, type_, f"{kind.value!r} report")
         return cls(kind, dict(fields))

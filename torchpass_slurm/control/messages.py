@@ -127,8 +127,7 @@ class ReportKind(str, enum.Enum):
         return self.value
 
 
-HELLO, HEARTBEAT, STANDBY, BYE, REPORT = (Kind.HELLO, Kind.HEARTBEAT, Kind.STANDBY, Kind.BYE,
-                                          Kind.REPORT)
+HELLO, HEARTBEAT, STANDBY, BYE, REPORT = (Kind.HELLO, Kind.HEARTBEAT, Kind.STANDBY, Kind.BYE, Kind.REPORT)
 PROMOTE, STOP, RECONFIGURE, ACK = Kind.PROMOTE, Kind.STOP, Kind.RECONFIGURE, Kind.ACK
 
 #: Kinds a worker may send (the supervisor accepts only these).
@@ -296,8 +295,7 @@ def decode(
     expected = _mac(secret, PROTOCOL_VERSION, payload)
     if not hmac.compare_digest(expected, bytes(frames[2])):
         raise AuthenticationError(
-            "control message failed its HMAC check (forged, corrupted, or signed with another "
-            "job's secret)"
+            "control message failed its HMAC check (forged, corrupted, or signed with another job's secret)"
         )
     msg = _parse_payload(payload)
     if msg.kind not in allowed:

@@ -106,8 +106,7 @@ def _make_private_dir(folder: Path) -> None:
         raise ControlPlaneError(f"{folder} exists but is not a directory (or is a symlink)")
     if st.st_uid != os.geteuid():
         raise AuthenticationError(
-            f"the secret folder {folder} belongs to uid {st.st_uid}, not to you "
-            f"(uid {os.geteuid()})",
+            f"the secret folder {folder} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})",
             hint="use a run directory that you own",
         )
     if stat.S_IMODE(st.st_mode) != 0o700:
@@ -127,8 +126,7 @@ def _check_private(path: Path, st: os.stat_result) -> None:
         )
     if st.st_uid != os.geteuid():
         raise AuthenticationError(
-            f"the control-plane secret {path} belongs to uid {st.st_uid}, not to you "
-            f"(uid {os.geteuid()})"
+            f"the control-plane secret {path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})"
         )
 
 

@@ -88,8 +88,12 @@ class HealthAgent(threading.Thread):
             return
         self.join(timeout)
         if self.is_alive():
-            logger.warning("health agent on %s: its thread did not stop within %.1f s (a check is "
-                           "still running); leaving it, it reports nothing more", self.node, timeout)
+            logger.warning(
+                "health agent on %s: its thread did not stop within %.1f s (a check is "
+                "still running); leaving it, it reports nothing more",
+                self.node,
+                timeout,
+            )
 
     def run(self) -> None:
         while not self.stopping.wait(self.interval) and not self.reported:
@@ -133,5 +137,4 @@ class HealthAgent(threading.Thread):
             self.reported = True
             logger.warning("health agent on %s: %s: %s", self.node, status, summary)
         elif report.status == Status.UNKNOWN:
-            logger.info("health agent on %s: a check could not run (UNKNOWN); not reported",
-                        self.node)
+            logger.info("health agent on %s: a check could not run (UNKNOWN); not reported", self.node)

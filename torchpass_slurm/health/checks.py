@@ -74,7 +74,9 @@ def _per_gpu(
             continue  # check_gpu_count reports lost GPUs
         failed = gpu.error_for(*fields)
         if failed is not None:
-            results.append(CheckResult(name, Status.UNKNOWN, f"{_gpu_label(gpu)}: query failed: {failed}", gpu.index))
+            results.append(
+                CheckResult(name, Status.UNKNOWN, f"{_gpu_label(gpu)}: query failed: {failed}", gpu.index)
+            )
             continue
         status, message = judge(gpu)
         results.append(CheckResult(name, status, f"{_gpu_label(gpu)}: {message}", gpu.index))
@@ -90,14 +92,23 @@ def check_gpu_count(facts: Facts, config: HealthConfig) -> list[CheckResult]:
     name = "gpu_count"
     if facts.gpus is None:
         if config.expected_gpus == 0:
-            return [CheckResult(name, Status.OK, f"no GPU expected (expected_gpus = 0); source: {facts.gpu_error}")]
+            return [
+                CheckResult(
+                    name, Status.OK, f"no GPU expected (expected_gpus = 0); source: {facts.gpu_error}"
+                )
+            ]
         return [CheckResult(name, Status.UNKNOWN, f"no GPU facts: {facts.gpu_error}")]
     lost = [g for g in facts.gpus if g.lost]
     working = len(facts.gpus) - len(lost)
-    results = [CheckResult(name, Status.CRITICAL, f"{_gpu_label(g)} is lost (fell off the bus)", g.index) for g in lost]
+    results = [
+        CheckResult(name, Status.CRITICAL, f"{_gpu_label(g)} is lost (fell off the bus)", g.index)
+        for g in lost
+    ]
     expected = config.expected_gpus
     if expected == 0:
-        results.append(CheckResult(name, Status.OK, f"{working} GPU(s) working; count not checked (expected_gpus = 0)"))
+        results.append(
+            CheckResult(name, Status.OK, f"{working} GPU(s) working; count not checked (expected_gpus = 0)")
+        )
     elif working < expected:
         results.append(CheckResult(name, Status.CRITICAL, f"{working} GPU(s) working, expected {expected}"))
     else:
@@ -141,7 +152,10 @@ def check_gpu_ecc_corrected_rate(facts: Facts, config: HealthConfig) -> list[Che
             return _not_reported("corrected ECC count", facts.source)
         rate = ecc_rate_per_hour(gpu, facts, config)
         if rate is None:
-            return Status.OK, f"{gpu.ecc_corrected} corrected ECC error(s); no earlier sample to take a rate from yet"
+            return (
+                Status.OK,
+                f"{gpu.ecc_corrected} corrected ECC error(s); no earlier sample to take a rate from yet",
+            )
         warn, crit = config.ecc_corrected_rate_warning, config.ecc_corrected_rate_critical
         text = f"corrected ECC rate {rate:.1f}/h (warning at {warn:g}/h, critical at {crit:g}/h)"
         return _grade(rate, warn, crit), text
@@ -180,7 +194,11 @@ def check_gpu_retired_pages(facts: Facts, config: HealthConfig) -> list[CheckRes
             return Status.CRITICAL, f"{gpu.retired_pages} retired pages (critical at {limit})"
         if gpu.retired_pages_pending or gpu.remapped_rows_pending:
             return pending_status, "page retirement or row remap pending (needs a GPU reset)"
-        if gpu.retired_pages is None and gpu.retired_pages_pending is None and gpu.remapped_rows_pending is None:
+        if (
+            gpu.retired_pages is None
+            and gpu.retired_pages_pending is None
+            and gpu.remapped_rows_pending is None
+        ):
             return _not_reported("retired pages and remapped rows", facts.source)
         shown = "?" if gpu.retired_pages is None else gpu.retired_pages
         return Status.OK, f"{shown} retired pages (critical at {limit}), nothing pending"
@@ -198,7 +216,10 @@ def check_gpu_xid(facts: Facts, config: HealthConfig) -> list[CheckResult]:
         counted = sorted({x for x in gpu.xid_errors if x not in config.xid_ignore})
         critical = [x for x in counted if x in config.xid_critical]
         if critical:
-            return Status.CRITICAL, f"XID {', '.join(map(str, critical))} (critical XIDs: {_ints(config.xid_critical)})"
+            return (
+                Status.CRITICAL,
+                f"XID {', '.join(map(str, critical))} (critical XIDs: {_ints(config.xid_critical)})",
+            )
         if counted:
             return Status.WARNING, f"XID {', '.join(map(str, counted))} (not in the critical list)"
         return Status.OK, "no XID errors"
@@ -242,7 +263,10 @@ def check_gpu_throttle(facts: Facts, config: HealthConfig) -> list[CheckResult]:
         if gpu.throttle_reasons is None:
             return _not_reported("throttle reasons", facts.source)
         active = set(gpu.throttle_reasons)
-        for status, listed in ((Status.CRITICAL, config.throttle_critical), (Status.WARNING, config.throttle_warning)):
+        for status, listed in (
+            (Status.CRITICAL, config.throttle_critical),
+            (Status.WARNING, config.throttle_warning),
+        ):
             hit = sorted(active & set(listed))
             if hit:
                 return status, f"throttled: {', '.join(hit)} (listed as {status.name.lower()})"
@@ -262,11 +286,16 @@ def check_gpu_pcie_link(facts: Facts, config: HealthConfig) -> list[CheckResult]
             return _not_reported("PCIe link", facts.source)
         findings: list[tuple[Status, str]] = []
         if None not in (gpu.pcie_width, gpu.pcie_width_max) and gpu.pcie_width < gpu.pcie_width_max:  # type: ignore[operator]
-            findings.append((width_status, f"width x{gpu.pcie_width} below its maximum x{gpu.pcie_width_max}"))
+            findings.append(
+                (width_status, f"width x{gpu.pcie_width} below its maximum x{gpu.pcie_width_max}")
+            )
         if None not in (gpu.pcie_gen, gpu.pcie_gen_max) and gpu.pcie_gen < gpu.pcie_gen_max:  # type: ignore[operator]
             findings.append((gen_status, f"gen {gpu.pcie_gen} below its maximum gen {gpu.pcie_gen_max}"))
         if not findings:
-            return Status.OK, f"PCIe gen {gpu.pcie_gen}/{gpu.pcie_gen_max} x{gpu.pcie_width}/x{gpu.pcie_width_max}"
+            return (
+                Status.OK,
+                f"PCIe gen {gpu.pcie_gen}/{gpu.pcie_gen_max} x{gpu.pcie_width}/x{gpu.pcie_width_max}",
+            )
         status = max((s for s, _ in findings), key=lambda s: s.severity)
         return status, "PCIe " + "; ".join(text for _, text in findings)
 
@@ -298,13 +327,24 @@ def check_host_memory(facts: Facts, config: HealthConfig) -> list[CheckResult]:
         return [CheckResult(name, Status.UNKNOWN, f"memory unknown: {why}")]
     results = []
     if config.memory_total_min_mb and host.memory_total_mb < config.memory_total_min_mb:
-        results.append(CheckResult(name, Status.CRITICAL, f"total memory {host.memory_total_mb:.0f} MB "
-                                   f"below {config.memory_total_min_mb:g} MB"))
+        results.append(
+            CheckResult(
+                name,
+                Status.CRITICAL,
+                f"total memory {host.memory_total_mb:.0f} MB below {config.memory_total_min_mb:g} MB",
+            )
+        )
     pct = 100.0 * host.memory_available_mb / host.memory_total_mb if host.memory_total_mb else 0.0
     warn, crit = config.memory_available_warning_pct, config.memory_available_critical_pct
     status = _grade_low(pct, warn, crit)
-    results.append(CheckResult(name, status, f"{pct:.1f}% of {host.memory_total_mb:.0f} MB available "
-                               f"(warning below {warn:g}%, critical below {crit:g}%)"))
+    results.append(
+        CheckResult(
+            name,
+            status,
+            f"{pct:.1f}% of {host.memory_total_mb:.0f} MB available "
+            f"(warning below {warn:g}%, critical below {crit:g}%)",
+        )
+    )
     return results
 
 
@@ -314,8 +354,11 @@ def _judge_disk(disk: DiskFacts, config: HealthConfig) -> CheckResult:
         return CheckResult(name, Status.UNKNOWN, f"{disk.path}: free space unknown: {disk.error}")
     warn, crit = config.disk_free_warning_mb, config.disk_free_critical_mb
     status = _grade_low(disk.free_mb, warn, crit)
-    return CheckResult(name, status, f"{disk.path}: {disk.free_mb:.0f} MB free "
-                       f"(warning below {warn:g} MB, critical below {crit:g} MB)")
+    return CheckResult(
+        name,
+        status,
+        f"{disk.path}: {disk.free_mb:.0f} MB free (warning below {warn:g} MB, critical below {crit:g} MB)",
+    )
 
 
 def check_host_disk(facts: Facts, config: HealthConfig) -> list[CheckResult]:

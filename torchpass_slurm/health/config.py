@@ -74,7 +74,10 @@ class HealthConfig:
     temperature_warning_c: float = 83.0
     temperature_critical_c: float = 90.0
     throttle_warning: tuple[str, ...] = (
-        "hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "sw_thermal_slowdown",
+        "hw_slowdown",
+        "hw_thermal_slowdown",
+        "hw_power_brake_slowdown",
+        "sw_thermal_slowdown",
     )
     throttle_critical: tuple[str, ...] = ()
     #: A link narrower than its maximum. Idle GPUs lower their PCIe generation to save
@@ -110,8 +113,10 @@ class HealthConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-                raise ConfigError(f"health setting {f.name} = {value!r} is negative",
-                                  hint="thresholds are zero or more (0 turns some checks off)")
+                raise ConfigError(
+                    f"health setting {f.name} = {value!r} is negative",
+                    hint="thresholds are zero or more (0 turns some checks off)",
+                )
         if self.timeout_s <= 0:
             raise ConfigError(f"health setting timeout_s = {self.timeout_s!r} must be above 0")
 
@@ -125,8 +130,14 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"health setting {name} = {value!r} is not one of {', '.join(choices)}")
 
 
-_KINDS = {"str": str, "float": float, "int": int, "bool": bool,
-          "tuple[int, ...]": int, "tuple[str, ...]": str}
+_KINDS = {
+    "str": str,
+    "float": float,
+    "int": int,
+    "bool": bool,
+    "tuple[int, ...]": int,
+    "tuple[str, ...]": str,
+}
 
 
 def _coerce(name: str, kind: str, value: Any) -> Any:
@@ -149,8 +160,10 @@ def parse_config(values: Mapping[str, Any], *, origin: str = "the health config"
     kinds = {f.name: str(f.type) for f in fields(HealthConfig)}
     unknown = sorted(set(values) - set(kinds))
     if unknown:
-        raise ConfigError(f"unknown key(s) in {origin}: {', '.join(unknown)}",
-                          hint=f"valid keys: {', '.join(sorted(kinds))}")
+        raise ConfigError(
+            f"unknown key(s) in {origin}: {', '.join(unknown)}",
+            hint=f"valid keys: {', '.join(sorted(kinds))}",
+        )
     try:
         return HealthConfig(**{k: _coerce(k, kinds[k], v) for k, v in values.items()})
     except ConfigError as err:

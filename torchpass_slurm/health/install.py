@@ -92,8 +92,9 @@ WRAPPER_TIMEOUT_S = 60
 
 
 def _wrapper(paths: InstallPaths, mode: str, what: str, when: str) -> str:
-    return _WRAPPER.format(what=what, when=when, config=paths.config, tp=paths.tp, mode=mode,
-                           bound=WRAPPER_TIMEOUT_S)
+    return _WRAPPER.format(
+        what=what, when=when, config=paths.config, tp=paths.tp, mode=mode, bound=WRAPPER_TIMEOUT_S
+    )
 
 
 def install_files(paths: InstallPaths) -> list[InstallFile]:
@@ -102,12 +103,27 @@ def install_files(paths: InstallPaths) -> list[InstallFile]:
     return [
         InstallFile("slurm.conf.torchpass", "slurm.conf (append)", slurm_conf_lines(paths)),
         InstallFile("health.toml", paths.config, render_config_template()),
-        InstallFile("torchpass-prolog.sh", f"{d}/torchpass-prolog.sh",
-                    _wrapper(paths, "prolog", "Slurm Prolog", "run as root by slurmd on each allocated node."),
-                    0o755),
-        InstallFile("torchpass-epilog.sh", f"{d}/torchpass-epilog.sh",
-                    _wrapper(paths, "epilog", "Slurm Epilog", "run as root by slurmd after each job."), 0o755),
-        InstallFile("torchpass-healthcheck.sh", f"{d}/torchpass-healthcheck.sh",
-                    _wrapper(paths, "node-check", "Slurm HealthCheckProgram",
-                             "run by slurmd every HealthCheckInterval; drains the node itself."), 0o755),
+        InstallFile(
+            "torchpass-prolog.sh",
+            f"{d}/torchpass-prolog.sh",
+            _wrapper(paths, "prolog", "Slurm Prolog", "run as root by slurmd on each allocated node."),
+            0o755,
+        ),
+        InstallFile(
+            "torchpass-epilog.sh",
+            f"{d}/torchpass-epilog.sh",
+            _wrapper(paths, "epilog", "Slurm Epilog", "run as root by slurmd after each job."),
+            0o755,
+        ),
+        InstallFile(
+            "torchpass-healthcheck.sh",
+            f"{d}/torchpass-healthcheck.sh",
+            _wrapper(
+                paths,
+                "node-check",
+                "Slurm HealthCheckProgram",
+                "run by slurmd every HealthCheckInterval; drains the node itself.",
+            ),
+            0o755,
+        ),
     ]

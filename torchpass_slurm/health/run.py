@@ -103,8 +103,9 @@ def local_node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
 
 
-def _device_facts(task: _Bounded[tuple[GpuFacts, ...]], deadline: float, timeout: float,
-                  clock: Callable[[], float]) -> tuple[tuple[GpuFacts, ...] | None, str | None]:
+def _device_facts(
+    task: _Bounded[tuple[GpuFacts, ...]], deadline: float, timeout: float, clock: Callable[[], float]
+) -> tuple[tuple[GpuFacts, ...] | None, str | None]:
     try:
         return task.result(deadline, clock), None
     except TimeoutError:
@@ -119,8 +120,13 @@ def _device_facts(task: _Bounded[tuple[GpuFacts, ...]], deadline: float, timeout
         return None, f"the device source failed: {type(err).__name__}: {err}"
 
 
-def _host_facts(task: _Bounded[HostFacts], deadline: float, timeout: float, paths: Sequence[str],
-                clock: Callable[[], float]) -> HostFacts:
+def _host_facts(
+    task: _Bounded[HostFacts],
+    deadline: float,
+    timeout: float,
+    paths: Sequence[str],
+    clock: Callable[[], float],
+) -> HostFacts:
     try:
         return task.result(deadline, clock)
     except TimeoutError:
@@ -166,8 +172,9 @@ def run_health(
 ) -> HealthReport:
     """Gather, judge, store the next ECC samples; never raises for a device or host failure."""
     started = clock()
-    facts = gather_facts(config, source, node=node or local_node_name(), clock=clock,
-                         wall_clock=wall_clock, host=host)
+    facts = gather_facts(
+        config, source, node=node or local_node_name(), clock=clock, wall_clock=wall_clock, host=host
+    )
     results = tuple(run_checks(facts, config))
     if facts.gpus is not None and config.state_file:
         write_samples(config.state_file, next_samples(facts, config))

@@ -40,8 +40,10 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
 def read_samples(path: str | os.PathLike[str]) -> dict[str, EccSample]:
     """The stored samples by GPU uuid; empty when there is no usable file."""
     try:
-        return {uuid: EccSample(uuid, int(s["ecc_corrected"]), float(s["time"]))
-                for uuid, s in _read(path).get("ecc", {}).items()}
+        return {
+            uuid: EccSample(uuid, int(s["ecc_corrected"]), float(s["time"]))
+            for uuid, s in _read(path).get("ecc", {}).items()
+        }
     except (ValueError, TypeError, KeyError, AttributeError) as err:
         logger.warning("ignoring the ECC samples in %s: %s", path, err)
         return {}

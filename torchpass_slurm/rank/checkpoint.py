@@ -86,8 +86,12 @@ class TrainState:
         """Restore model and optimizer (and scheduler) in place."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(self.model, self.optimizer,
-                       model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+        )
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state_dict["scheduler"])
 
@@ -124,8 +128,10 @@ class RNGState:
 
         key = self._key()
         if key not in state_dict:
-            raise CheckpointError(f"the checkpoint has no RNG state for {key} (it has {sorted(state_dict)})",
-                                  hint="resume with the same world size the checkpoint was written with")
+            raise CheckpointError(
+                f"the checkpoint has no RNG state for {key} (it has {sorted(state_dict)})",
+                hint="resume with the same world size the checkpoint was written with",
+            )
         sd = state_dict[key]
         torch.set_rng_state(sd["torch"])
         _python_rng_from_tensor(sd["python"])
@@ -219,9 +225,11 @@ def _require_numpy_if_distributed() -> None:
     try:
         import numpy  # noqa: F401
     except ImportError:
-        raise CheckpointError("a checkpoint under a process group needs numpy (torch.distributed's "
-                              "object collectives use it), and numpy is not installed",
-                              hint="pip install numpy (Debian: apt install python3-numpy)") from None
+        raise CheckpointError(
+            "a checkpoint under a process group needs numpy (torch.distributed's "
+            "object collectives use it), and numpy is not installed",
+            hint="pip install numpy (Debian: apt install python3-numpy)",
+        ) from None
 
 
 def _barrier() -> None:
@@ -272,8 +280,11 @@ def latest_step(directory: str | os.PathLike[str]) -> int | None:
         m = _STEP_RE.match(pointer.read_text().strip())
         if m and int(m.group(1)) in steps:
             return int(m.group(1))
-        logger.warning("%s points at %r, which is not a complete checkpoint; using the newest folder",
-                       pointer, pointer.read_text().strip())
+        logger.warning(
+            "%s points at %r, which is not a complete checkpoint; using the newest folder",
+            pointer,
+            pointer.read_text().strip(),
+        )
     return steps[-1] if steps else None
 
 
@@ -307,11 +318,15 @@ def save(state: Mapping[str, Any], directory: str | os.PathLike[str], step: int,
     try:
         dcp.save(payload, checkpoint_id=str(tmp), **_no_dist_kwargs(dcp.save))
     except OSError as exc:
-        raise CheckpointError(f"saving the checkpoint of step {step} into {tmp} failed: {exc}",
-                              hint="check that the folder is on a shared, writable file system with free space") from exc
+        raise CheckpointError(
+            f"saving the checkpoint of step {step} into {tmp} failed: {exc}",
+            hint="check that the folder is on a shared, writable file system with free space",
+        ) from exc
     except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"saving the checkpoint of step {step} into {tmp} failed: {_reason(exc)}",
-                              hint="if another rank failed first, its log has the cause") from exc
+        raise CheckpointError(
+            f"saving the checkpoint of step {step} into {tmp} failed: {_reason(exc)}",
+            hint="if another rank failed first, its log has the cause",
+        ) from exc
     _barrier()
     if rank == 0:
         _publish(directory, tmp, final)
@@ -356,8 +371,10 @@ def _publish(directory: Path, tmp: Path, final: Path) -> None:
             os.fsync(f.fileno())
         os.replace(pointer_tmp, directory / LATEST)
     except OSError as exc:
-        raise CheckpointError(f"cannot publish checkpoint {final}: {exc}",
-                              hint=f"the data is in {tmp}; check permissions of {directory}") from exc
+        raise CheckpointError(
+            f"cannot publish checkpoint {final}: {exc}",
+            hint=f"the data is in {tmp}; check permissions of {directory}",
+        ) from exc
 
 
 def _prune(directory: Path, keep: int) -> None:
@@ -394,12 +411,16 @@ def load_latest(state: dict[str, Any], directory: str | os.PathLike[str]) -> int
     try:
         dcp.load(payload, checkpoint_id=str(path), **_no_dist_kwargs(dcp.load))
     except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"loading the checkpoint {path} failed: {_reason(exc)}",
-                              hint="the state passed in must have the same keys and shapes as when it was saved") from exc
+        raise CheckpointError(
+            f"loading the checkpoint {path} failed: {_reason(exc)}",
+            hint="the state passed in must have the same keys and shapes as when it was saved",
+        ) from exc
     stored = int(payload[_STEP_KEY].item())
     if stored != step:
-        raise CheckpointError(f"{path} holds step {stored}, its name says {step}",
-                              hint="the folder was renamed or mixed up by hand; delete it")
+        raise CheckpointError(
+            f"{path} holds step {stored}, its name says {step}",
+            hint="the folder was renamed or mixed up by hand; delete it",
+        )
     for key, value in payload.items():  # plain (non-Stateful) values are replaced by DCP
         if key in state and not hasattr(value, "load_state_dict"):
             state[key] = value

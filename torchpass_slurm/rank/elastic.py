@@ -90,16 +90,28 @@ def collective_timeout() -> datetime.timedelta:
     """Timeout of one collective: ``TORCHPASS_COLLECTIVE_TIMEOUT`` (see config)."""
     from torchpass_slurm import config
 
-    return datetime.timedelta(seconds=config.env_float(
-        config.ENV_COLLECTIVE_TIMEOUT, config.DEFAULT_COLLECTIVE_TIMEOUT_S, minimum=1.0))
+    return datetime.timedelta(
+        seconds=config.env_float(
+            config.ENV_COLLECTIVE_TIMEOUT, config.DEFAULT_COLLECTIVE_TIMEOUT_S, minimum=1.0
+        )
+    )
 
 
 class ElasticTrainer:
     """A data-parallel training loop that carries on through a lost rank; see the module doc."""
 
-    def __init__(self, rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 state: Mapping[str, Any], scheduler: Any = None, backend: str = "gloo",
-                 ddp_kwargs: Mapping[str, Any] | None = None, start_step: int = 0) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        state: Mapping[str, Any],
+        scheduler: Any = None,
+        backend: str = "gloo",
+        ddp_kwargs: Mapping[str, Any] | None = None,
+        start_step: int = 0,
+    ) -> None:
         self.rt = rt
         self.model = model
         self.optimizer = optimizer
@@ -158,8 +170,12 @@ class ElasticTrainer:
             dist.barrier()
             dist.destroy_process_group()
 
-    def fit(self, train_step: Callable[[int, nn.Module], torch.Tensor], steps: int,
-            on_commit: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor | None:
+    def fit(
+        self,
+        train_step: Callable[[int, nn.Module], torch.Tensor],
+        steps: int,
+        on_commit: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor | None:
         """Run ``train_step`` for every step up to ``steps``; return the last loss."""
         self.start()
         loss = None
@@ -206,8 +222,7 @@ class ElasticTrainer:
                 return
             self._pending.append(body)
 
-    def _next_reconfigure(self, timeout: datetime.timedelta, epoch: int | None = None
-                          ) -> Reconfigure | None:
+    def _next_reconfigure(self, timeout: datetime.timedelta, epoch: int | None = None) -> Reconfigure | None:
         """The pending or next reconfigure for a newer epoch (``epoch``: exactly that one)."""
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
@@ -227,8 +242,9 @@ class ElasticTrainer:
         """A planned migration (an admin drain): leave, or move to the epoch, after this step."""
         body = self._next_reconfigure(RECONFIGURE_TIMEOUT, epoch)
         if body is None:
-            raise RuntimeError(f"the supervisor announced epoch {epoch} but sent no reconfigure "
-                               f"within {RECONFIGURE_TIMEOUT}")
+            raise RuntimeError(
+                f"the supervisor announced epoch {epoch} but sent no reconfigure within {RECONFIGURE_TIMEOUT}"
+            )
         self._reconfigure(body)
 
     def _commit(self) -> None:
@@ -246,8 +262,9 @@ class ElasticTrainer:
         if not is_comm_error(exc) or self.rt.role.value == "plain":
             raise exc  # a bug, or no supervisor to reconfigure the group (plain srun/torchrun)
         self.rt.log.warning("collective failed at step %d: %s", self.step, str(exc)[:200])
-        self.rt.report(ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(exc)[:200],
-                       epoch=self.rt.epoch)
+        self.rt.report(
+            ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(exc)[:200], epoch=self.rt.epoch
+        )
         while True:
             body = self._next_reconfigure(RECONFIGURE_TIMEOUT)
             if body is None:
@@ -260,8 +277,9 @@ class ElasticTrainer:
                 if not is_comm_error(again):
                     raise
                 self.rt.log.warning("recovery of epoch %s failed: %s", body.epoch, again)
-                self.rt.report(ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(again)[:200],
-                               epoch=self.rt.epoch)
+                self.rt.report(
+                    ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(again)[:200], epoch=self.rt.epoch
+                )
 
     def _reconfigure(self, body: Reconfigure) -> None:
         if self.rt.rank in body.leave:
@@ -269,8 +287,9 @@ class ElasticTrainer:
             return
         started = time.monotonic()
         self.rt.rejoin(body, self.backend, collective_timeout(), RENDEZVOUS_TIMEOUT)
-        self.rt.report(ReportKind.GROUP_REBUILT, seconds=round(time.monotonic() - started, 4),
-                       epoch=self.rt.epoch)
+        self.rt.report(
+            ReportKind.GROUP_REBUILT, seconds=round(time.monotonic() - started, 4), epoch=self.rt.epoch
+        )
         self._sync_state()
         self._wrap()
         self.migrations += 1
@@ -303,8 +322,13 @@ class ElasticTrainer:
         donors = [r for r, s in enumerate(held) if s == committed]
         receivers = [r for r, s in enumerate(held) if s < committed]
         if self.rt.rank == 0:
-            self.rt.report(ReportKind.AGREEMENT, committed_step=committed, receivers=receivers,
-                           donors=donors, epoch=self.rt.epoch)
+            self.rt.report(
+                ReportKind.AGREEMENT,
+                committed_step=committed,
+                receivers=receivers,
+                donors=donors,
+                epoch=self.rt.epoch,
+            )
         plan = {recv: donors[i % len(donors)] for i, recv in enumerate(receivers)}
         for recv, donor in plan.items():
             if self.rt.rank == donor:
@@ -325,8 +349,9 @@ class ElasticTrainer:
     def _send_state(self, receiver: int, step: int) -> None:
         from torchpass_slurm.transfer import TorchTransport, send_state
 
-        stats = send_state(TorchTransport(receiver), self._state_dicts(),
-                           timeout=TRANSFER_TIMEOUT, meta={"step": step})
+        stats = send_state(
+            TorchTransport(receiver), self._state_dicts(), timeout=TRANSFER_TIMEOUT, meta={"step": step}
+        )
         self.rt.log.info("sent the state of step %d to rank %d: %s", step, receiver, stats)
 
     def _receive_state(self, donor: int, step: int) -> None:
@@ -334,15 +359,24 @@ class ElasticTrainer:
 
         if self._progress is None:
             self._progress = ReceiveProgress()
-        received, stats = recv_state(TorchTransport(donor), timeout=TRANSFER_TIMEOUT,
-                                     into=self._state_dicts(), progress=self._progress)
+        received, stats = recv_state(
+            TorchTransport(donor), timeout=TRANSFER_TIMEOUT, into=self._state_dicts(), progress=self._progress
+        )
         for name, obj in self.state.items():
             obj.load_state_dict(received[name])
         self._progress = None
         self.received_state = True
-        self.rt.report(ReportKind.TRANSFER_DONE, donor=donor, receiver=self.rt.rank, step=step,
-                       bytes=stats.bytes, seconds=round(stats.seconds, 4), retries=stats.retries,
-                       resumed_from=stats.resumed_from, epoch=self.rt.epoch)
+        self.rt.report(
+            ReportKind.TRANSFER_DONE,
+            donor=donor,
+            receiver=self.rt.rank,
+            step=step,
+            bytes=stats.bytes,
+            seconds=round(stats.seconds, 4),
+            retries=stats.retries,
+            resumed_from=stats.resumed_from,
+            epoch=self.rt.epoch,
+        )
 
     def _wrap(self) -> None:
         import torch.distributed as dist

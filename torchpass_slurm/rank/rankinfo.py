@@ -21,16 +21,15 @@ from torchpass_slurm.config import (
 )
 from torchpass_slurm.errors import ConfigError, ControlPlaneError
 
-__all__ = ["Role", "RankInfo", "plain_rank_info", "active_rank_info", "promoted_rank_info",
-           "role_from_env"]
+__all__ = ["Role", "RankInfo", "plain_rank_info", "active_rank_info", "promoted_rank_info", "role_from_env"]
 
 
 class Role(str, Enum):
     """How this process takes part in the job."""
 
-    PLAIN = "plain"    # no supervisor: torchrun / srun environment
+    PLAIN = "plain"  # no supervisor: torchrun / srun environment
     ACTIVE = "active"  # a rank of the current epoch
-    SPARE = "spare"    # a hot spare in standby
+    SPARE = "spare"  # a hot spare in standby
 
 
 @dataclass(frozen=True)
@@ -74,8 +73,10 @@ def _int(env: Mapping[str, str], *names: str, default: int | None = None) -> int
             except ValueError:
                 raise ConfigError(f"{name}={raw!r} is not an integer") from None
     if default is None:
-        raise ConfigError(f"none of {', '.join(names)} is set in the environment",
-                          hint="run this under tp run (tp-submit), srun or torchrun, which set them")
+        raise ConfigError(
+            f"none of {', '.join(names)} is set in the environment",
+            hint="run this under tp run (tp-submit), srun or torchrun, which set them",
+        )
     return default
 
 
@@ -138,15 +139,19 @@ def promoted_rank_info(body: Mapping[str, Any], env: Mapping[str, str]) -> RankI
             store_port=body.get("store_port"),
         )
     except (KeyError, TypeError, ValueError) as exc:
-        raise ControlPlaneError(f"malformed promote message {dict(body)!r}: {exc!r}",
-                                hint="the supervisor and this worker run different torchpass-slurm versions?") from exc
+        raise ControlPlaneError(
+            f"malformed promote message {dict(body)!r}: {exc!r}",
+            hint="the supervisor and this worker run different torchpass-slurm versions?",
+        ) from exc
 
 
 def _require(env: Mapping[str, str], name: str) -> str:
     value = env.get(name, "")
     if not value:
-        raise ConfigError(f"the environment variable {name} is not set",
-                          hint="tp run sets it for active steps; is this an old tp run?")
+        raise ConfigError(
+            f"the environment variable {name} is not set",
+            hint="tp run sets it for active steps; is this an old tp run?",
+        )
     return value
 
 
@@ -160,5 +165,7 @@ def role_from_env(env: Mapping[str, str]) -> Role:
     except ValueError:
         raise ConfigError(f"{ENV_ROLE}={raw!r} is not a role", hint="expected 'active' or 'spare'") from None
     if role is Role.PLAIN:
-        raise ConfigError(f"{ENV_ROLE}=plain together with {ENV_CONTROL}", hint="expected 'active' or 'spare'")
+        raise ConfigError(
+            f"{ENV_ROLE}=plain together with {ENV_CONTROL}", hint="expected 'active' or 'spare'"
+        )
     return role

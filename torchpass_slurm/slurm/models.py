@@ -14,9 +14,7 @@ from dataclasses import dataclass, field
 __all__ = ["Node", "Job", "SlurmVersion", "NODE_BASE_STATES", "JOB_FINISHED_STATES"]
 
 #: Base node states, as Slurm names them (anything else in a state is a flag).
-NODE_BASE_STATES = frozenset(
-    {"IDLE", "ALLOCATED", "MIXED", "DOWN", "ERROR", "FUTURE", "UNKNOWN"}
-)
+NODE_BASE_STATES = frozenset({"IDLE", "ALLOCATED", "MIXED", "DOWN", "ERROR", "FUTURE", "UNKNOWN"})
 
 #: Job states after which the job holds no nodes.
 JOB_FINISHED_STATES = frozenset(

@@ -194,9 +194,7 @@ def _merge_partitions(nodes: list[Node]) -> tuple[Node, ...]:
             merged[node.name] = node
             continue
         parts = seen.partitions + tuple(p for p in node.partitions if p not in seen.partitions)
-        merged[node.name] = Node(
-            seen.name, seen.state, seen.flags, seen.reason, parts, seen.cpus
-        )
+        merged[node.name] = Node(seen.name, seen.state, seen.flags, seen.reason, parts, seen.cpus)
     return tuple(merged.values())
 
 

@@ -48,9 +48,7 @@ TIMEOUT_ENV = "TORCHPASS_SLURM_TIMEOUT"
 DEFAULT_TIMEOUT_S = 30.0
 
 #: Shown with every non-zero exit that has no more specific advice.
-GENERIC_HINT = (
-    "the message above is Slurm's own; `scontrol ping` checks that the controller answers."
-)
+GENERIC_HINT = "the message above is Slurm's own; `scontrol ping` checks that the controller answers."
 
 
 def default_timeout() -> float:
@@ -101,9 +99,7 @@ class Runner(Protocol):
         """
         ...
 
-    def spawn(
-        self, argv: Sequence[str], *, env: Mapping[str, str] | None = None
-    ) -> subprocess.Popen[bytes]:
+    def spawn(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
         """Start ``argv`` (e.g. a long ``srun`` step) and return at once; no timeout.
 
         The caller owns the process: it must ``wait()``/``terminate()`` it.
@@ -145,14 +141,10 @@ class SubprocessRunner:
             raise SlurmTimeoutError(argv, limit, _text(exc.stderr)) from None
         logger.debug("%s -> %d in %.2f s", argv, proc.returncode, time.monotonic() - started)
         if proc.returncode != 0:
-            raise SlurmCommandError(
-                argv, proc.returncode, proc.stderr, stdout=proc.stdout, hint=GENERIC_HINT
-            )
+            raise SlurmCommandError(argv, proc.returncode, proc.stderr, stdout=proc.stdout, hint=GENERIC_HINT)
         return CommandResult(argv, proc.stdout, proc.stderr, proc.returncode)
 
-    def spawn(
-        self, argv: Sequence[str], *, env: Mapping[str, str] | None = None
-    ) -> subprocess.Popen[bytes]:
+    def spawn(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
         argv = tuple(argv)
         logger.debug("spawn %s", argv)
         try:

@@ -52,7 +52,7 @@ def _parse_line(line: str, what: str, tail_key: str | None) -> dict[str, str]:
     rest = line.strip()
     tail_at = re.search(rf"(?:^|\s){tail_key}=", rest) if tail_key else None
     if tail_key and tail_at is not None:
-        record[tail_key] = rest[tail_at.end():].strip()
+        record[tail_key] = rest[tail_at.end() :].strip()
         rest = rest[: tail_at.start()]
     for word in rest.split():
         match = _KEY.match(word)
@@ -68,7 +68,9 @@ def _parse_line(line: str, what: str, tail_key: str | None) -> dict[str, str]:
 
 def _get(record: dict[str, str], key: str, what: str) -> str:
     if key not in record:
-        raise SlurmParseError(what, f"missing {key}=", excerpt=" ".join(f"{k}={v}" for k, v in record.items()))
+        raise SlurmParseError(
+            what, f"missing {key}=", excerpt=" ".join(f"{k}={v}" for k, v in record.items())
+        )
     return record[key]
 
 

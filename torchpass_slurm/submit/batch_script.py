@@ -38,16 +38,20 @@ def _parse_directive(line: str, origin: str) -> list[Option]:
     table = SBATCH_OPTIONS if tag == "#SBATCH" else TP_LINE_OPTIONS
     options, rest = parse_options(_directive_words(text, origin), table, origin)
     if rest:
-        raise SubmitError(f"{origin}: unexpected {rest[0]!r} in {line.strip()!r}",
-                          hint=f"{tag} lines hold options only")
+        raise SubmitError(
+            f"{origin}: unexpected {rest[0]!r} in {line.strip()!r}", hint=f"{tag} lines hold options only"
+        )
     for o in options:
         if tag == "#SBATCH" and o.name in TP_OPTIONS:
-            raise SubmitError(f"{origin}: --{o.name} is tp-submit's option; sbatch does not know it",
-                              hint=f"write it as `#TP {' '.join(o.tokens)}`")
+            raise SubmitError(
+                f"{origin}: --{o.name} is tp-submit's option; sbatch does not know it",
+                hint=f"write it as `#TP {' '.join(o.tokens)}`",
+            )
         if tag == "#TP" and o.name not in TP_LINE_OPTIONS:
-            raise SubmitError(f"{origin}: {' '.join(o.tokens)} is not allowed in a #TP line",
-                              hint="#TP lines take --spares and --run-dir; "
-                              "sbatch options go in #SBATCH lines")
+            raise SubmitError(
+                f"{origin}: {' '.join(o.tokens)} is not allowed in a #TP line",
+                hint="#TP lines take --spares and --run-dir; sbatch options go in #SBATCH lines",
+            )
     return options
 
 

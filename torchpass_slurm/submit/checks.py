@@ -61,8 +61,9 @@ def check_script_interpreter(script: BatchScript, *, search_path: str | None = N
     """The ``#!`` interpreter exists on this node and is a POSIX shell."""
     words = script.shebang[2:].split()
     if not words:
-        raise SubmitError(f"the #! line of {script.source} names no interpreter",
-                          hint="make it e.g. #!/bin/bash")
+        raise SubmitError(
+            f"the #! line of {script.source} names no interpreter", hint="make it e.g. #!/bin/bash"
+        )
     interpreter, program = words[0], words[0]
     if os.path.basename(interpreter) == "env":
         rest = [w for w in words[1:] if not w.startswith("-") and "=" not in w]
@@ -97,8 +98,9 @@ def check_command(command: Sequence[str], workdir: str, *, search_path: str | No
         if not os.path.isfile(full):
             raise SubmitError(f"the command {program} does not exist (looked for {full})")
         if not os.access(full, os.X_OK):
-            raise SubmitError(f"the command {program} is not executable ({full})",
-                              hint=f"chmod +x {shlex.quote(program)}")
+            raise SubmitError(
+                f"the command {program} is not executable ({full})", hint=f"chmod +x {shlex.quote(program)}"
+            )
         return
     if shutil.which(program, path=search_path) is None:
         raise SubmitError(
@@ -120,8 +122,10 @@ def check_run_dir(run_dir: str) -> None:
     except PermissionError:
         raise SubmitError(f"the run dir {run_dir} is not readable (permission denied)") from None
     if taken:
-        raise SubmitError(f"the run dir {run_dir} already exists and is not empty",
-                          hint="each job needs its own run dir: pick another --run-dir")
+        raise SubmitError(
+            f"the run dir {run_dir} already exists and is not empty",
+            hint="each job needs its own run dir: pick another --run-dir",
+        )
 
 
 def check_partition_fits(spec: JobSpec, partition: str | None, node_count: int | None) -> None:

@@ -32,7 +32,6 @@ class SubmitRequest:
         return self.has("dry-run")
 
 
-
 def parse_submit_args(argv: Sequence[str]) -> SubmitRequest:
     """Parse ``[OPTIONS] SCRIPT [ARGS...]`` or ``[OPTIONS] -- COMMAND...`` (pure).
 
@@ -50,10 +49,14 @@ def parse_submit_args(argv: Sequence[str]) -> SubmitRequest:
         )
     if rest[0] == "--":
         if len(rest) == 1:
-            raise SubmitError("nothing after `--`: expected the command to run",
-                              hint="e.g. tp-submit -N 2 --spares 1 -- python train.py")
+            raise SubmitError(
+                "nothing after `--`: expected the command to run",
+                hint="e.g. tp-submit -N 2 --spares 1 -- python train.py",
+            )
         return replace(request, command=tuple(rest[1:]))
     if rest[0] == "-":
-        raise SubmitError("tp-submit cannot read the batch script from stdin",
-                          hint="give the script's file name, or use -- COMMAND...")
+        raise SubmitError(
+            "tp-submit cannot read the batch script from stdin",
+            hint="give the script's file name, or use -- COMMAND...",
+        )
     return replace(request, script=rest[0], script_args=tuple(rest[1:]))

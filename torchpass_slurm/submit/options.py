@@ -80,10 +80,21 @@ TP_LINE_OPTIONS = {name: TP_OPTIONS[name] for name in ("spares", "run-dir")}
 COMMAND_LINE_OPTIONS = {**SBATCH_OPTIONS, **TP_OPTIONS}
 
 #: Options tp-submit reads and then passes to sbatch in its own form (or not at all).
-UNDERSTOOD = frozenset({
-    "nodes", "ntasks", "ntasks-per-node", "partition", "output", "job-name", "chdir", "no-kill",
-    "parsable", "help", "comment",
-}) | frozenset(TP_OPTIONS)
+UNDERSTOOD = frozenset(
+    {
+        "nodes",
+        "ntasks",
+        "ntasks-per-node",
+        "partition",
+        "output",
+        "job-name",
+        "chdir",
+        "no-kill",
+        "parsable",
+        "help",
+        "comment",
+    }
+) | frozenset(TP_OPTIONS)
 
 #: The origin of an option given on tp-submit's command line.
 COMMAND_LINE = "the command line"
@@ -103,7 +114,6 @@ class Option:
     def __str__(self) -> str:
         shown = " ".join(self.tokens)
         return shown if self.origin == COMMAND_LINE else f"{shown} ({self.origin})"
-
 
 
 def _match(given: str, table: _Table, origin: str) -> str | None:
@@ -147,9 +157,11 @@ def _parse_short(word: str, words: list[str], table: _Table, origin: str) -> lis
         letter = word[i]
         name = by_letter.get(letter)
         if name is None:
-            raise SubmitError(f"unknown option -{letter} in {word!r} ({origin})",
-                              hint="see `tp-submit --help` and `man sbatch`")
-        kind, rest = table[name][1], word[i + 1:]
+            raise SubmitError(
+                f"unknown option -{letter} in {word!r} ({origin})",
+                hint="see `tp-submit --help` and `man sbatch`",
+            )
+        kind, rest = table[name][1], word[i + 1 :]
         if kind == FLAG:
             found.append(Option(name, None, (f"-{letter}",), origin))
             i += 1
@@ -163,9 +175,7 @@ def _parse_short(word: str, words: list[str], table: _Table, origin: str) -> lis
     return found
 
 
-def parse_options(
-    words: list[str], table: _Table, origin: str
-) -> tuple[list[Option], list[str]]:
+def parse_options(words: list[str], table: _Table, origin: str) -> tuple[list[Option], list[str]]:
     """Options from the front of ``words``; returns them and what follows (from a
     positional word or from ``--`` on, both included)."""
     options: list[Option] = []
@@ -179,4 +189,3 @@ def parse_options(
         else:
             options.extend(_parse_short(word, words, table, origin))
     return options, words
-

@@ -77,8 +77,10 @@ def _node_count(option: Option | None) -> int | None:
         return None
     m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", option.value or "")
     if m is None:
-        raise SubmitError(f"{option}: the node count must be a whole number, not {option.value!r}",
-                          hint="tp needs a fixed number of active nodes, e.g. -N 4")
+        raise SubmitError(
+            f"{option}: the node count must be a whole number, not {option.value!r}",
+            hint="tp needs a fixed number of active nodes, e.g. -N 4",
+        )
     low, high = int(m.group(1)), int(m.group(2) or m.group(1))
     if low != high:
         raise SubmitError(
@@ -94,7 +96,10 @@ def _node_count(option: Option | None) -> int | None:
 def _layout(options: Sequence[Option]) -> tuple[int, int]:
     """(N, k) from -N, -n and --ntasks-per-node; every node runs the same k ranks."""
     nodes_opt, ntasks_opt, per_node_opt = (
-        _last(options, "nodes"), _last(options, "ntasks"), _last(options, "ntasks-per-node"))
+        _last(options, "nodes"),
+        _last(options, "ntasks"),
+        _last(options, "ntasks-per-node"),
+    )
     nodes = _node_count(nodes_opt)
     ntasks = _count(ntasks_opt, "the number of tasks", minimum=1)
     per_node = _count(per_node_opt, "the number of tasks per node", minimum=1)
@@ -102,17 +107,23 @@ def _layout(options: Sequence[Option]) -> tuple[int, int]:
         return nodes or 1, per_node or 1
     if nodes is None:
         if per_node is None:
-            raise SubmitError(f"{ntasks_opt} alone does not say how many nodes the job needs",
-                              hint="give -N/--nodes too (or --ntasks-per-node)")
+            raise SubmitError(
+                f"{ntasks_opt} alone does not say how many nodes the job needs",
+                hint="give -N/--nodes too (or --ntasks-per-node)",
+            )
         nodes = ntasks // per_node
         if nodes * per_node != ntasks:
-            raise SubmitError(f"{ntasks_opt} is not a multiple of {per_node_opt}",
-                              hint="tp runs the same number of tasks on every node")
+            raise SubmitError(
+                f"{ntasks_opt} is not a multiple of {per_node_opt}",
+                hint="tp runs the same number of tasks on every node",
+            )
         return nodes, per_node
     if per_node is None:
         if ntasks % nodes:
-            raise SubmitError(f"{ntasks_opt} tasks do not spread evenly over {nodes_opt} nodes",
-                              hint="tp runs the same number of tasks on every node")
+            raise SubmitError(
+                f"{ntasks_opt} tasks do not spread evenly over {nodes_opt} nodes",
+                hint="tp runs the same number of tasks on every node",
+            )
         return nodes, ntasks // nodes
     if ntasks != nodes * per_node:
         raise SubmitError(
@@ -131,15 +142,18 @@ def absolute_path(path: str, base: str) -> str:
     return os.path.normpath(os.path.join(base, os.path.expanduser(path)))
 
 
-
 def _refuse_unsupported(options: Sequence[Option]) -> None:
     for option in options:
         if option.name == "wrap":
-            raise SubmitError(f"{option}: tp-submit does not take --wrap",
-                              hint="write the command after `--`: tp-submit [OPTIONS] -- COMMAND...")
+            raise SubmitError(
+                f"{option}: tp-submit does not take --wrap",
+                hint="write the command after `--`: tp-submit [OPTIONS] -- COMMAND...",
+            )
         if option.name == "no-kill" and option.value not in (None, ""):
-            raise SubmitError(f"{option}: tp needs --no-kill (a lost node must not end the job)",
-                              hint="remove it; tp-submit always passes --no-kill")
+            raise SubmitError(
+                f"{option}: tp needs --no-kill (a lost node must not end the job)",
+                hint="remove it; tp-submit always passes --no-kill",
+            )
 
 
 def _value(options: Sequence[Option], name: str) -> str | None:
@@ -182,11 +196,17 @@ def resolve_job_spec(
     run_dir = _run_dir(options, job_name, cwd=cwd, now=now)
     passthrough = tuple(w for o in options if o.name not in UNDERSTOOD for w in o.tokens)
     spec = JobSpec(
-        nodes=nodes, spares=spares, ntasks_per_node=per_node, job_name=job_name,
-        run_dir=run_dir, secret_file=os.path.join(run_dir, secret_subpath),
+        nodes=nodes,
+        spares=spares,
+        ntasks_per_node=per_node,
+        job_name=job_name,
+        run_dir=run_dir,
+        secret_file=os.path.join(run_dir, secret_subpath),
         source=script.source if script else COMMAND_LINE,
-        partition=_value(options, "partition"), output=_value(options, "output"),
-        chdir=_value(options, "chdir"), comment=_value(options, "comment"),
+        partition=_value(options, "partition"),
+        output=_value(options, "output"),
+        chdir=_value(options, "chdir"),
+        comment=_value(options, "comment"),
         sbatch_passthrough=passthrough,
     )
     if script is not None:

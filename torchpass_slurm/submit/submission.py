@@ -53,8 +53,10 @@ def _claim_run_dir(run_dir: str, *, rename_if_taken: bool) -> tuple[str, bool]:
                 return candidate, False
         except OSError as exc:
             raise SubmitError(f"cannot create the run dir {candidate}: {exc.strerror}") from None
-    raise SubmitError(f"{run_dir} and {len(candidates) - 1} numbered variants are all taken",
-                      hint="pick a run dir with --run-dir")
+    raise SubmitError(
+        f"{run_dir} and {len(candidates) - 1} numbered variants are all taken",
+        hint="pick a run dir with --run-dir",
+    )
 
 
 def submit(

@@ -50,8 +50,15 @@ class _Settle:
 class Detectors:
     """Turns what the supervisor observes into faults; see the module docstring."""
 
-    def __init__(self, job: JobState, *, slurm: SlurmBackend, config: SupervisorConfig,
-                 clock: Clock, events: ev.EventLog) -> None:
+    def __init__(
+        self,
+        job: JobState,
+        *,
+        slurm: SlurmBackend,
+        config: SupervisorConfig,
+        clock: Clock,
+        events: ev.EventLog,
+    ) -> None:
         self.job = job
         self.slurm = slurm
         self.config = config
@@ -75,8 +82,11 @@ class Detectors:
     def collective_failed(self, node: str, rank: object, error: str) -> None:
         """A rank of ``node`` (of its current epoch) reports a failed collective."""
         if self._reported is None and self._settle is None:
-            self._reported = Fault(node, Detector.COLLECTIVE_FAILED,
-                                   f"rank {rank} on {node}: a collective failed ({error[:120]})")
+            self._reported = Fault(
+                node,
+                Detector.COLLECTIVE_FAILED,
+                f"rank {rank} on {node}: a collective failed ({error[:120]})",
+            )
 
     # -- one detection ----------------------------------------------------------
     def detect(self) -> list[Fault]:
@@ -99,18 +109,29 @@ class Detectors:
     def _verdict(self, first: Fault) -> list[Fault]:
         """At the end of the settle window: the silent nodes, else the step that exited."""
         job, now = self.job, self.clock.time()
-        silent = [n for n in job.membership.active + job.membership.spares
-                  if job.steps[n].poll() is None
-                  and (job.steps[n].silent_for(now) or 0.0) > self.config.silence_threshold]
+        silent = [
+            n
+            for n in job.membership.active + job.membership.spares
+            if job.steps[n].poll() is None
+            and (job.steps[n].silent_for(now) or 0.0) > self.config.silence_threshold
+        ]
         if silent:
-            blamed = [Fault(n, Detector.HEARTBEAT_LOST,
-                            f"{n} went silent ({job.steps[n].silent_for(now):.0f} s) while "
-                            f"{first.detail}") for n in silent]
+            blamed = [
+                Fault(
+                    n,
+                    Detector.HEARTBEAT_LOST,
+                    f"{n} went silent ({job.steps[n].silent_for(now):.0f} s) while {first.detail}",
+                )
+                for n in silent
+            ]
         elif first.detector == Detector.STEP_EXITED:
             blamed = [first]
         else:
-            blamed = [self._exit_fault(n, rc) for n, s in job.live_steps().items()
-                      if (rc := s.poll()) not in (None, 0)][:1]
+            blamed = [
+                self._exit_fault(n, rc)
+                for n, s in job.live_steps().items()
+                if (rc := s.poll()) not in (None, 0)
+            ][:1]
         return blamed + ([first] if first.detector == Detector.COLLECTIVE_FAILED else [])
 
     def _step_exit(self) -> Fault | None:
@@ -132,11 +153,15 @@ class Detectors:
             if step.state in (WorkerState.RUNNING, WorkerState.STANDBY):
                 silent = step.silent_for(now)
                 if silent is not None and silent > cfg.heartbeat_timeout:
-                    return Fault(node, Detector.HEARTBEAT_LOST,
-                                 f"no heartbeat from {node} for {silent:.0f} s")
+                    return Fault(
+                        node, Detector.HEARTBEAT_LOST, f"no heartbeat from {node} for {silent:.0f} s"
+                    )
             elif step.state == WorkerState.STARTING and now - step.started > cfg.startup_timeout:
-                return Fault(node, Detector.STARTUP_TIMEOUT,
-                             f"{node} did not report within {cfg.startup_timeout:.0f} s")
+                return Fault(
+                    node,
+                    Detector.STARTUP_TIMEOUT,
+                    f"{node} did not report within {cfg.startup_timeout:.0f} s",
+                )
         return None
 
     def _watch_slurm(self) -> Fault | None:
@@ -159,8 +184,9 @@ class Detectors:
             node = nodes.get(name)
             self.usable[name] = node is not None and node.is_usable
             if job_nodes and name not in job_nodes:
-                return Fault(name, Detector.NODE_GONE,
-                             f"Slurm no longer lists {name} in job {self.job.job_id}")
+                return Fault(
+                    name, Detector.NODE_GONE, f"Slurm no longer lists {name} in job {self.job.job_id}"
+                )
             if node is not None:
                 fault = self._judge_node(node)
                 if fault is not None:

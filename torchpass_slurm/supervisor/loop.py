@@ -52,8 +52,15 @@ POLL_SLICE = timedelta(seconds=0.5)
 #: How often status.json is rewritten (seconds).
 STATUS_INTERVAL_S = 1.0
 #: Reports that go to the event log as they are.
-RANK_EVENTS = frozenset({ReportKind.GROUP_REBUILT, ReportKind.AGREEMENT, ReportKind.TRANSFER_DONE,
-                         ReportKind.FIRST_STEP, ReportKind.RELEASED})
+RANK_EVENTS = frozenset(
+    {
+        ReportKind.GROUP_REBUILT,
+        ReportKind.AGREEMENT,
+        ReportKind.TRANSFER_DONE,
+        ReportKind.FIRST_STEP,
+        ReportKind.RELEASED,
+    }
+)
 
 
 class Supervisor:
@@ -72,12 +79,22 @@ class Supervisor:
         any ──the supervisor itself fails──► FAILED
     """
 
-    def __init__(self, *, job_id: int, run_dir: Path, membership: Membership,
-                 launcher: StepLauncher, server: ControlServer, slurm: SlurmBackend,
-                 events: ev.EventLog, config: SupervisorConfig,
-                 store: tuple[str, int] = ("", 0),
-                 recovery: RecoveryPolicy | str = RecoveryPolicy.LIVE,
-                 clock: Clock = time, batch_host: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        job_id: int,
+        run_dir: Path,
+        membership: Membership,
+        launcher: StepLauncher,
+        server: ControlServer,
+        slurm: SlurmBackend,
+        events: ev.EventLog,
+        config: SupervisorConfig,
+        store: tuple[str, int] = ("", 0),
+        recovery: RecoveryPolicy | str = RecoveryPolicy.LIVE,
+        clock: Clock = time,
+        batch_host: str | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.launcher = launcher
         self.server = server
@@ -90,8 +107,16 @@ class Supervisor:
         self.batch_host = socket.gethostname() if batch_host is None else batch_host
         self.job = JobState(job_id=job_id, membership=membership)
         self.detectors = Detectors(self.job, slurm=slurm, config=config, clock=clock, events=events)
-        self.executor = Executor(self.job, launcher=launcher, server=server, slurm=slurm,
-                                 events=events, config=config, clock=clock, store=store)
+        self.executor = Executor(
+            self.job,
+            launcher=launcher,
+            server=server,
+            slurm=slurm,
+            events=events,
+            config=config,
+            clock=clock,
+            store=store,
+        )
         #: objects that must live as long as the supervisor (the rendezvous store)
         self.keepalive: Any = None
         self._next_status = 0.0
@@ -113,8 +138,13 @@ class Supervisor:
     def run(self) -> RunResult:
         job, m = self.job, self.job.membership
         self.events.epoch = m.epoch
-        self.events.append(ev.STARTED, active=list(m.active), spares=list(m.spares),
-                           world_size=m.world_size, ntasks_per_node=m.ntasks_per_node)
+        self.events.append(
+            ev.STARTED,
+            active=list(m.active),
+            spares=list(m.spares),
+            world_size=m.world_size,
+            ntasks_per_node=m.ntasks_per_node,
+        )
         for node in m.active + m.spares:
             job.steps[node] = self.launcher.launch(node, m)
         try:
@@ -142,11 +172,20 @@ class Supervisor:
 
     def _recover(self, faults: list[Fault]) -> None:
         job = self.job
-        workers = {n: WorkerFacts(live=s.live, running=s.state == WorkerState.RUNNING,
-                                  usable=self.detectors.usable.get(n, False))
-                   for n, s in job.steps.items()}
-        policy = Policy(recovery=self.recovery, has_store=bool(self.store[1]),
-                        batch_host=self.batch_host, in_place_restarts=job.in_place_restarts)
+        workers = {
+            n: WorkerFacts(
+                live=s.live,
+                running=s.state == WorkerState.RUNNING,
+                usable=self.detectors.usable.get(n, False),
+            )
+            for n, s in job.steps.items()
+        }
+        policy = Policy(
+            recovery=self.recovery,
+            has_store=bool(self.store[1]),
+            batch_host=self.batch_host,
+            in_place_restarts=job.in_place_restarts,
+        )
         plan = plan_recovery(faults, job.membership, workers, policy)
         logger.info("plan: %s for %s", plan.action, ", ".join(f"{f.detector} on {f.node}" for f in faults))
         self.executor.execute(plan)
@@ -165,8 +204,10 @@ class Supervisor:
                 self.events.append(ev.STEP_EXITED, node=node, exit_code=0)
 
     def _all_active_exited_ok(self) -> bool:
-        return all(self.job.steps[n].state == WorkerState.EXITED and self.job.steps[n].exit_code == 0
-                   for n in self.job.membership.active)
+        return all(
+            self.job.steps[n].state == WorkerState.EXITED and self.job.steps[n].exit_code == 0
+            for n in self.job.membership.active
+        )
 
     # -- messages ----------------------------------------------------------------
     def _pump(self, timeout: timedelta) -> None:
@@ -178,7 +219,8 @@ class Supervisor:
                 continue
             self._on_message(node, step, message, now)
         if self.job.state == RunState.LAUNCHING and all(
-                self.job.steps[n].state == WorkerState.RUNNING for n in self.job.membership.active):
+            self.job.steps[n].state == WorkerState.RUNNING for n in self.job.membership.active
+        ):
             self.job.state = RunState.RUNNING
 
     def _on_message(self, node: str, step: WorkerStep, message: Message, now: float) -> None:
@@ -190,8 +232,9 @@ class Supervisor:
             step.hello_senders.add(message.sender)
             if len(step.hello_senders) >= step.ntasks and step.state == WorkerState.STARTING:
                 step.state = WorkerState.RUNNING
-                self.events.append(ev.WORKER_UP, node=node, role=step.role,
-                                   ranks=list(self.job.membership.ranks_of(node)))
+                self.events.append(
+                    ev.WORKER_UP, node=node, role=step.role, ranks=list(self.job.membership.ranks_of(node))
+                )
         elif message.kind == Kind.HEARTBEAT:
             step.seen(message.sender, now, body.get("step"))
         elif message.kind == Kind.REPORT:
@@ -246,12 +289,28 @@ class Supervisor:
             if node in job.released or node in job.releasing:
                 role = "released"
             ranks = tuple(m.ranks_of(node)) if role == "active" else ()
-            nodes.append(NodeStatus(node=node, role=role, ranks=ranks, state=step.state.value,
-                                    last_step=step.last_step, last_heartbeat=step.last_heartbeat,
-                                    exit_code=step.exit_code))
-        status = JobStatus(job_id=str(job.job_id), run_dir=str(self.run_dir), state=job.state.value,
-                           epoch=m.epoch, world_size=m.world_size, updated=self.clock.time(),
-                           nodes=tuple(nodes), restarts=job.restarts, message=job.message)
+            nodes.append(
+                NodeStatus(
+                    node=node,
+                    role=role,
+                    ranks=ranks,
+                    state=step.state.value,
+                    last_step=step.last_step,
+                    last_heartbeat=step.last_heartbeat,
+                    exit_code=step.exit_code,
+                )
+            )
+        status = JobStatus(
+            job_id=str(job.job_id),
+            run_dir=str(self.run_dir),
+            state=job.state.value,
+            epoch=m.epoch,
+            world_size=m.world_size,
+            updated=self.clock.time(),
+            nodes=tuple(nodes),
+            restarts=job.restarts,
+            message=job.message,
+        )
         try:
             write_status(self.run_dir, status)
         except OSError as err:

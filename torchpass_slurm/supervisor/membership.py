@@ -86,8 +86,7 @@ class Membership:
             )
         if len(nodes) < n_active:
             raise ConfigError(
-                f"the allocation has {len(nodes)} node(s) but {n_active} active node(s) were "
-                "requested",
+                f"the allocation has {len(nodes)} node(s) but {n_active} active node(s) were requested",
                 hint="ask Slurm for N + S nodes (tp-submit does this with --spares S)",
             )
         try:
@@ -165,8 +164,13 @@ class Membership:
                 )
             active[slot] = spares.pop(0)
             failed.append(node)
-        return Membership(self.epoch + 1 if epoch is None else epoch, self.ntasks_per_node,
-                          tuple(active), tuple(spares), tuple(failed))
+        return Membership(
+            self.epoch + 1 if epoch is None else epoch,
+            self.ntasks_per_node,
+            tuple(active),
+            tuple(spares),
+            tuple(failed),
+        )
 
     def drop_spare(self, node: str) -> Membership:
         """A spare died on standby: remove it from the pool; the next epoch."""
@@ -186,8 +190,13 @@ class Membership:
 
     def next_epoch(self, after: int | None = None) -> Membership:
         """The same members in the epoch after ``after`` (default: this one)."""
-        return Membership((self.epoch if after is None else after) + 1, self.ntasks_per_node,
-                          self.active, self.spares, self.failed)
+        return Membership(
+            (self.epoch if after is None else after) + 1,
+            self.ntasks_per_node,
+            self.active,
+            self.spares,
+            self.failed,
+        )
 
     # --- JSON --------------------------------------------------------------------
 

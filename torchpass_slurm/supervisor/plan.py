@@ -126,8 +126,9 @@ class Plan:
         return tuple(f.node for f in self.faults if f.loses_node)
 
 
-def plan_recovery(faults: Sequence[Fault], membership: Membership,
-                  workers: Mapping[str, WorkerFacts], policy: Policy) -> Plan:
+def plan_recovery(
+    faults: Sequence[Fault], membership: Membership, workers: Mapping[str, WorkerFacts], policy: Policy
+) -> Plan:
     """The one plan for ``faults`` (of one detection) in ``membership``; see the module doc."""
     faults = tuple(faults)
     if not faults:
@@ -137,61 +138,77 @@ def plan_recovery(faults: Sequence[Fault], membership: Membership,
         return _plan_drain(faults[0], membership, workers, policy)
     if classes == {FaultClass.PRE_EMPTIVE}:
         return _plan_warning(faults[0], membership)
-    return _plan_unplanned(tuple(f for f in faults if f.fault_class == FaultClass.UNPLANNED),
-                           membership, workers, policy)
+    return _plan_unplanned(
+        tuple(f for f in faults if f.fault_class == FaultClass.UNPLANNED), membership, workers, policy
+    )
 
 
-def can_migrate_live(lost: Sequence[str], membership: Membership,
-                     workers: Mapping[str, WorkerFacts], policy: Policy) -> bool:
+def can_migrate_live(
+    lost: Sequence[str], membership: Membership, workers: Mapping[str, WorkerFacts], policy: Policy
+) -> bool:
     """Every surviving active rank runs the elastic loop, and there is a spare per lost node."""
     survivors = [n for n in membership.active if n not in lost]
     facts = [workers.get(n, WorkerFacts()) for n in survivors]
-    return (policy.recovery == RecoveryPolicy.LIVE and policy.has_store and bool(survivors)
-            and all(w.live and w.running for w in facts)
-            and len(membership.spares) >= len(lost))
+    return (
+        policy.recovery == RecoveryPolicy.LIVE
+        and policy.has_store
+        and bool(survivors)
+        and all(w.live and w.running for w in facts)
+        and len(membership.spares) >= len(lost)
+    )
 
 
-def _plan_unplanned(faults: tuple[Fault, ...], membership: Membership,
-                    workers: Mapping[str, WorkerFacts], policy: Policy) -> Plan:
+def _plan_unplanned(
+    faults: tuple[Fault, ...], membership: Membership, workers: Mapping[str, WorkerFacts], policy: Policy
+) -> Plan:
     losses = [f for f in faults if f.loses_node]
     dropped = tuple(f.node for f in losses if f.node in membership.spares)
     lost = tuple(f for f in losses if f.node in membership.active)
-    release = tuple(f.node for f in losses
-                    if f.detector in NODE_UNTRUSTED and f.node != policy.batch_host)
+    release = tuple(f.node for f in losses if f.detector in NODE_UNTRUSTED and f.node != policy.batch_host)
     after_drop = membership.without_spares(dropped) if dropped else membership
-    base = Plan(Action.NOTHING, membership, faults=faults, lost=lost, dropped=dropped,
-                release=release)
+    base = Plan(Action.NOTHING, membership, faults=faults, lost=lost, dropped=dropped, release=release)
     if not lost:
         if any(f.detector == Detector.COLLECTIVE_FAILED for f in faults):
             detail = next(f.detail for f in faults if f.detector == Detector.COLLECTIVE_FAILED)
-            return dataclasses.replace(base, action=Action.REGROUP, detail=detail,
-                                       membership=after_drop.next_epoch(membership.epoch))
+            return dataclasses.replace(
+                base, action=Action.REGROUP, detail=detail, membership=after_drop.next_epoch(membership.epoch)
+            )
         if dropped:
             return dataclasses.replace(base, action=Action.DROP_SPARE, membership=after_drop)
         return base
     nodes = [f.node for f in lost]
     if can_migrate_live(nodes, after_drop, workers, policy):
         new = after_drop.replace_all(nodes, epoch=membership.epoch + 1)
-        return dataclasses.replace(base, action=Action.LIVE, membership=new,
-                                   promoted=tuple(new.active[membership.slot_of(n)] for n in nodes))
+        return dataclasses.replace(
+            base,
+            action=Action.LIVE,
+            membership=new,
+            promoted=tuple(new.active[membership.slot_of(n)] for n in nodes),
+        )
     if len(after_drop.spares) >= len(lost):
         new = after_drop.replace_all(nodes, epoch=membership.epoch + 1)
-        return dataclasses.replace(base, action=Action.RESTART, membership=new,
-                                   promoted=tuple(new.active[membership.slot_of(n)] for n in nodes))
+        return dataclasses.replace(
+            base,
+            action=Action.RESTART,
+            membership=new,
+            promoted=tuple(new.active[membership.slot_of(n)] for n in nodes),
+        )
     first = lost[len(after_drop.spares)]  # the first loss no spare is left for
-    crashed = all(f.detector == Detector.STEP_EXITED and workers.get(f.node, WorkerFacts()).usable
-                  for f in lost)
+    crashed = all(
+        f.detector == Detector.STEP_EXITED and workers.get(f.node, WorkerFacts()).usable for f in lost
+    )
     if crashed and policy.in_place_restarts < policy.max_in_place_restarts:
-        return dataclasses.replace(base, action=Action.RESTART_IN_PLACE,
-                                   membership=after_drop.next_epoch(membership.epoch))
+        return dataclasses.replace(
+            base, action=Action.RESTART_IN_PLACE, membership=after_drop.next_epoch(membership.epoch)
+        )
     if crashed:
-        detail = (f"{first.detail}; no hot spare left and {policy.in_place_restarts} in-place "
-                  "restarts already: giving up (submit with more --spares)")
+        detail = (
+            f"{first.detail}; no hot spare left and {policy.in_place_restarts} in-place "
+            "restarts already: giving up (submit with more --spares)"
+        )
     else:
-        detail = (f"{first.detail}; no hot spare left, the job cannot continue "
-                  "(submit with more --spares)")
-    return dataclasses.replace(base, action=Action.GIVE_UP, detail=detail,
-                               exit_code=first.exit_code or 1)
+        detail = f"{first.detail}; no hot spare left, the job cannot continue (submit with more --spares)"
+    return dataclasses.replace(base, action=Action.GIVE_UP, detail=detail, exit_code=first.exit_code or 1)
 
 
 def _plan_warning(fault: Fault, membership: Membership) -> Plan:
@@ -202,24 +219,43 @@ def _plan_warning(fault: Fault, membership: Membership) -> Plan:
     return Plan(Action.DRAIN, membership, faults=(fault,), detail=reason)
 
 
-def _plan_drain(fault: Fault, membership: Membership, workers: Mapping[str, WorkerFacts],
-                policy: Policy) -> Plan:
+def _plan_drain(
+    fault: Fault, membership: Membership, workers: Mapping[str, WorkerFacts], policy: Policy
+) -> Plan:
     """An admin drain: move the node's ranks at a step boundary, or defer to the job's end."""
     node, reason = fault.node, fault.detail
     if node in membership.spares:
-        return Plan(Action.DROP_SPARE, membership.without_spares([node]), faults=(fault,),
-                    dropped=(node,), detail=f"drained: {reason}")
+        return Plan(
+            Action.DROP_SPARE,
+            membership.without_spares([node]),
+            faults=(fault,),
+            dropped=(node,),
+            detail=f"drained: {reason}",
+        )
     if node not in membership.active:
         return Plan(Action.NOTHING, membership, faults=(fault,))
     if node == policy.batch_host:
-        return Plan(Action.DEFER, membership, faults=(fault,),
-                    detail="the batch host runs the supervisor and cannot leave the job: it "
-                           "drains when the job ends")
+        return Plan(
+            Action.DEFER,
+            membership,
+            faults=(fault,),
+            detail="the batch host runs the supervisor and cannot leave the job: it drains when the job ends",
+        )
     leaver = workers.get(node, WorkerFacts())
     if not (leaver.live and can_migrate_live([node], membership, workers, policy)):
-        return Plan(Action.DEFER, membership, faults=(fault,),
-                    detail="no live migration possible (no spare, or a rank not on the elastic "
-                           "loop): the node drains when the job ends")
+        return Plan(
+            Action.DEFER,
+            membership,
+            faults=(fault,),
+            detail="no live migration possible (no spare, or a rank not on the elastic "
+            "loop): the node drains when the job ends",
+        )
     new = membership.replace_all([node], epoch=membership.epoch + 1)
-    return Plan(Action.PLANNED, new, faults=(fault,), lost=(fault,),
-                promoted=(new.active[membership.slot_of(node)],), detail=reason)
+    return Plan(
+        Action.PLANNED,
+        new,
+        faults=(fault,),
+        lost=(fault,),
+        promoted=(new.active[membership.slot_of(node)],),
+        detail=reason,
+    )

@@ -77,8 +77,11 @@ class JobState:
 
     def live_steps(self) -> dict[str, WorkerStep]:
         """Steps still worth watching: not stopped, not ended, not lost."""
-        return {n: s for n, s in self.steps.items()
-                if s.state not in (WorkerState.STOPPING, WorkerState.EXITED, WorkerState.LOST)}
+        return {
+            n: s
+            for n, s in self.steps.items()
+            if s.state not in (WorkerState.STOPPING, WorkerState.EXITED, WorkerState.LOST)
+        }
 
     def committed(self, nodes: list[str]) -> int | None:
         """The highest step these nodes reported (from heartbeats; may lag by one beat)."""

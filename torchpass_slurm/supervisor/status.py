@@ -62,8 +62,9 @@ class JobStatus:
         try:
             data: dict[str, Any] = json.loads(text)
             data.pop("format", None)
-            nodes = tuple(NodeStatus(**{**n, "ranks": tuple(n.get("ranks", ()))})
-                          for n in data.pop("nodes", ()))
+            nodes = tuple(
+                NodeStatus(**{**n, "ranks": tuple(n.get("ranks", ()))}) for n in data.pop("nodes", ())
+            )
             return cls(**data, nodes=nodes)
         except (ValueError, TypeError) as err:
             raise StatusError(f"malformed status file: {err}") from None
@@ -88,7 +89,8 @@ def read_status(run_dir: Path) -> JobStatus:
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise StatusError(f"no status file at {path}",
-                          hint="the job may not have started yet, or this is not a tp run folder"
-                          ) from None
+        raise StatusError(
+            f"no status file at {path}",
+            hint="the job may not have started yet, or this is not a tp run folder",
+        ) from None
     return JobStatus.from_json(text)

@@ -104,9 +104,16 @@ def master_port(job_id: int, epoch: int) -> int:
 class StepLauncher:
     """Starts and stops the per-node steps of one job."""
 
-    def __init__(self, slurm: SlurmBackend, *, job_id: int, command: Sequence[str],
-                 control_endpoint: str, base_env: Mapping[str, str],
-                 clock: Clock = time) -> None:
+    def __init__(
+        self,
+        slurm: SlurmBackend,
+        *,
+        job_id: int,
+        command: Sequence[str],
+        control_endpoint: str,
+        base_env: Mapping[str, str],
+        clock: Clock = time,
+    ) -> None:
         self.slurm = slurm
         self.clock = clock
         self.job_id = job_id
@@ -117,30 +124,42 @@ class StepLauncher:
     def launch(self, node: str, membership: Membership) -> WorkerStep:
         role = membership.role_of(node)
         env = dict(self.base_env)
-        env.update({
-            cfg.ENV_JOB_ID: str(self.job_id),
-            cfg.ENV_CONTROL: self.control_endpoint,
-            cfg.ENV_NODE: node,
-            cfg.ENV_ROLE: role,
-            cfg.ENV_EPOCH: str(membership.epoch),
-            cfg.ENV_NTASKS_PER_NODE: str(membership.ntasks_per_node),
-        })
+        env.update(
+            {
+                cfg.ENV_JOB_ID: str(self.job_id),
+                cfg.ENV_CONTROL: self.control_endpoint,
+                cfg.ENV_NODE: node,
+                cfg.ENV_ROLE: role,
+                cfg.ENV_EPOCH: str(membership.epoch),
+                cfg.ENV_NTASKS_PER_NODE: str(membership.ntasks_per_node),
+            }
+        )
         if role == "active":
-            env.update({
-                cfg.ENV_RANK_BASE: str(membership.rank_base(node)),
-                "WORLD_SIZE": str(membership.world_size),
-                "MASTER_ADDR": membership.node_of_rank(0),
-                "MASTER_PORT": str(master_port(self.job_id, membership.epoch)),
-            })
+            env.update(
+                {
+                    cfg.ENV_RANK_BASE: str(membership.rank_base(node)),
+                    "WORLD_SIZE": str(membership.world_size),
+                    "MASTER_ADDR": membership.node_of_rank(0),
+                    "MASTER_PORT": str(master_port(self.job_id, membership.epoch)),
+                }
+            )
         process = self.slurm.launch_step(
-            self.command, node=node, ntasks=membership.ntasks_per_node,
+            self.command,
+            node=node,
+            ntasks=membership.ntasks_per_node,
             job_name=f"tp-{role}-{node}-e{membership.epoch}",
-            extra_args=("--kill-on-bad-exit=0",), env=env)
-        logger.info("launched %s step on %s (epoch %d, pid %d)", role, node, membership.epoch,
-                    process.pid)
-        return WorkerStep(node=node, role=role, epoch=membership.epoch,
-                          ntasks=membership.ntasks_per_node, process=process,
-                          started=self.clock.time())
+            extra_args=("--kill-on-bad-exit=0",),
+            env=env,
+        )
+        logger.info("launched %s step on %s (epoch %d, pid %d)", role, node, membership.epoch, process.pid)
+        return WorkerStep(
+            node=node,
+            role=role,
+            epoch=membership.epoch,
+            ntasks=membership.ntasks_per_node,
+            process=process,
+            started=self.clock.time(),
+        )
 
     def stop(self, steps: Iterable[WorkerStep], timeout: float) -> None:
         """SIGTERM every step's srun (srun forwards it to the tasks); SIGKILL after ``timeout``."""

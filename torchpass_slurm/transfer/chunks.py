@@ -38,11 +38,15 @@ def unpack_header(buf: "torch.Tensor") -> int:
     """The manifest length from a header; TransferError if it is not ours."""
     magic, version, _, length = HEADER.unpack(bytes(buf.numpy()))
     if magic != MAGIC:
-        raise TransferError(f"the peer did not start a torchpass state stream (got magic {magic!r}, "
-                            f"expected {MAGIC!r})", hint="is the peer a torchpass donor of the same version?")
+        raise TransferError(
+            f"the peer did not start a torchpass state stream (got magic {magic!r}, expected {MAGIC!r})",
+            hint="is the peer a torchpass donor of the same version?",
+        )
     if version != VERSION:
-        raise TransferError(f"the donor speaks state stream version {version}, this receiver {VERSION}",
-                            hint="run the same torchpass-slurm version on donor and receiver")
+        raise TransferError(
+            f"the donor speaks state stream version {version}, this receiver {VERSION}",
+            hint="run the same torchpass-slurm version on donor and receiver",
+        )
     return length
 
 
@@ -120,17 +124,17 @@ class ChunkMap:
         t = self.tensors[i]
         if t.device.type != "cpu" or not t.is_contiguous():
             return None
-        return self.view(i)[start:start + n]
+        return self.view(i)[start : start + n]
 
     def gather(self, index: int, staging: "torch.Tensor") -> "torch.Tensor":
         """Copy chunk ``index`` into ``staging`` (on the CPU) and return the filled part."""
         start, end = self.manifest.chunk_span(index)
-        out = staging[:end - start]
+        out = staging[: end - start]
         for i, t_start, n, c_start in self.pieces(index):
-            out[c_start:c_start + n].copy_(self.view(i)[t_start:t_start + n])
+            out[c_start : c_start + n].copy_(self.view(i)[t_start : t_start + n])
         return out
 
     def scatter(self, index: int, data: "torch.Tensor") -> None:
         """Write a received chunk into the destination tensors."""
         for i, t_start, n, c_start in self.pieces(index):
-            self.view(i)[t_start:t_start + n].copy_(data[c_start:c_start + n])
+            self.view(i)[t_start : t_start + n].copy_(data[c_start : c_start + n])

@@ -81,9 +81,15 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """Canonical JSON bytes (sorted keys, no spaces)."""
-        doc = {"format": FORMAT, "tree": self.tree, "total_bytes": self.total_bytes,
-               "chunk_bytes": self.chunk_bytes, "n_chunks": self.n_chunks,
-               "digest_algo": self.digest_algo, "meta": self.meta}
+        doc = {
+            "format": FORMAT,
+            "tree": self.tree,
+            "total_bytes": self.total_bytes,
+            "chunk_bytes": self.chunk_bytes,
+            "n_chunks": self.n_chunks,
+            "digest_algo": self.digest_algo,
+            "meta": self.meta,
+        }
         return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
     def digest(self) -> str:
@@ -101,25 +107,38 @@ class Manifest:
         try:
             doc = json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise TransferError(f"the state manifest is not valid JSON: {exc}",
-                                hint="donor and receiver must run the same torchpass-slurm version") from None
+            raise TransferError(
+                f"the state manifest is not valid JSON: {exc}",
+                hint="donor and receiver must run the same torchpass-slurm version",
+            ) from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             seen = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
-            raise TransferError(f"the state manifest has format {seen!r}, expected {FORMAT!r}",
-                                hint="donor and receiver must run the same torchpass-slurm version")
+            raise TransferError(
+                f"the state manifest has format {seen!r}, expected {FORMAT!r}",
+                hint="donor and receiver must run the same torchpass-slurm version",
+            )
         algo = doc.get("digest_algo")
         if algo not in DIGESTS:
-            raise TransferError(f"the state manifest uses digest algorithm {algo!r}; this receiver knows "
-                                f"{', '.join(sorted(DIGESTS))}",
-                                hint="donor and receiver must run the same torchpass-slurm version")
+            raise TransferError(
+                f"the state manifest uses digest algorithm {algo!r}; this receiver knows "
+                f"{', '.join(sorted(DIGESTS))}",
+                hint="donor and receiver must run the same torchpass-slurm version",
+            )
         numbers = {k: doc.get(k) for k in ("total_bytes", "chunk_bytes", "n_chunks")}
         for key, value in numbers.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise TransferError(f"the state manifest's {key} is {value!r}, expected a non-negative int")
         entries: list[TensorEntry] = []
         _check_tree(doc.get("tree"), "", entries)
-        manifest = cls(doc["tree"], numbers["total_bytes"], numbers["chunk_bytes"], numbers["n_chunks"],
-                       algo, doc.get("meta"), tuple(entries))
+        manifest = cls(
+            doc["tree"],
+            numbers["total_bytes"],
+            numbers["chunk_bytes"],
+            numbers["n_chunks"],
+            algo,
+            doc.get("meta"),
+            tuple(entries),
+        )
         _check_layout(manifest)
         return manifest
 
@@ -127,8 +146,9 @@ class Manifest:
 # --- donor side: state -> manifest -------------------------------------------------
 
 
-def build_manifest(state: Mapping[Any, Any], *, chunk_bytes: int, digest_algo: str,
-                   meta: Any = None) -> tuple[Manifest, list[Any]]:
+def build_manifest(
+    state: Mapping[Any, Any], *, chunk_bytes: int, digest_algo: str, meta: Any = None
+) -> tuple[Manifest, list[Any]]:
     """The manifest of ``state`` and its tensors in stream order."""
     if digest_algo not in DIGESTS:
         raise ValueError(f"unknown digest algorithm {digest_algo!r}; known: {sorted(DIGESTS)}")
@@ -144,8 +164,9 @@ def build_manifest(state: Mapping[Any, Any], *, chunk_bytes: int, digest_algo: s
         json.dumps(meta, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise TransferError(f"meta must be plain JSON (no NaN): {exc}") from None
-    manifest = Manifest(tree, total, chunk_bytes, math.ceil(total / chunk_bytes), digest_algo, meta,
-                        tuple(entries))
+    manifest = Manifest(
+        tree, total, chunk_bytes, math.ceil(total / chunk_bytes), digest_algo, meta, tuple(entries)
+    )
     return manifest, tensors
 
 
@@ -162,24 +183,30 @@ def _encode(obj: Any, path: str, tensors: list[Any], entries: list[TensorEntry])
         items = []
         for key, value in obj.items():
             if isinstance(key, bool) or not isinstance(key, (str, int)):
-                raise TransferError(f"state key {key!r} at {path or '/'} is a {type(key).__name__}; "
-                                    "only str and int keys can be transferred")
+                raise TransferError(
+                    f"state key {key!r} at {path or '/'} is a {type(key).__name__}; "
+                    "only str and int keys can be transferred"
+                )
             items.append([key, _encode(value, f"{path}/{key}", tensors, entries)])
         return {"t": "dict", "items": items}
     if isinstance(obj, (list, tuple)):
         kind = "tuple" if isinstance(obj, tuple) else "list"
         return {"t": kind, "items": [_encode(v, f"{path}/{i}", tensors, entries) for i, v in enumerate(obj)]}
-    raise TransferError(f"cannot transfer a {type(obj).__name__} at {path or '/'}",
-                        hint="state dicts may hold tensors, dicts, lists, tuples, str, int, float, bool "
-                             "and None; turn other objects into those in your state_dict()")
+    raise TransferError(
+        f"cannot transfer a {type(obj).__name__} at {path or '/'}",
+        hint="state dicts may hold tensors, dicts, lists, tuples, str, int, float, bool "
+        "and None; turn other objects into those in your state_dict()",
+    )
 
 
 def _encode_tensor(t: Any, path: str, tensors: list[Any], entries: list[TensorEntry]) -> dict[str, Any]:
     import torch
 
     if t.layout != torch.strided or t.is_quantized:
-        raise TransferError(f"cannot transfer the {t.layout} tensor at {path}: only dense tensors",
-                            hint="convert it with .to_dense() / .dequantize() in state_dict()")
+        raise TransferError(
+            f"cannot transfer the {t.layout} tensor at {path}: only dense tensors",
+            hint="convert it with .to_dense() / .dequantize() in state_dict()",
+        )
     offset = entries[-1].offset + entries[-1].nbytes if entries else 0
     nbytes = t.numel() * t.element_size()
     dtype = str(t.dtype).removeprefix("torch.")
@@ -200,7 +227,9 @@ def _check_tree(node: Any, path: str, entries: list[TensorEntry]) -> None:
     if kind == "dict" and isinstance(node.get("items"), list):
         for pair in node["items"]:
             if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], (str, int))):
-                raise TransferError(f"the state manifest has a malformed dict item at {path or '/'}: {pair!r:.80}")
+                raise TransferError(
+                    f"the state manifest has a malformed dict item at {path or '/'}: {pair!r:.80}"
+                )
             _check_tree(pair[1], f"{path}/{pair[0]}", entries)
         return
     if kind in ("list", "tuple") and isinstance(node.get("items"), list):
@@ -210,15 +239,21 @@ def _check_tree(node: Any, path: str, entries: list[TensorEntry]) -> None:
     if kind == "tensor":
         entries.append(_check_tensor_node(node, path))
         return
-    raise TransferError(f"the state manifest has an unknown node at {path or '/'}: {node!r:.80}",
-                        hint="donor and receiver must run the same torchpass-slurm version")
+    raise TransferError(
+        f"the state manifest has an unknown node at {path or '/'}: {node!r:.80}",
+        hint="donor and receiver must run the same torchpass-slurm version",
+    )
 
 
 def _check_tensor_node(node: dict[str, Any], path: str) -> TensorEntry:
     dtype, shape = node.get("dtype"), node.get("shape")
     offset, nbytes = node.get("offset"), node.get("nbytes")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-            and isinstance(offset, int) and isinstance(nbytes, int)):
+    if not (
+        isinstance(shape, list)
+        and all(isinstance(d, int) and d >= 0 for d in shape)
+        and isinstance(offset, int)
+        and isinstance(nbytes, int)
+    ):
         raise TransferError(f"the state manifest has a malformed tensor at {path}: {node!r:.120}")
     if dtype_of(dtype) is None:
         raise TransferError(f"the state manifest has an unknown dtype {dtype!r} at {path}")
@@ -230,16 +265,24 @@ def _check_layout(m: Manifest) -> None:
     for e in m.entries:
         itemsize = dtype_of(e.dtype).itemsize
         if e.offset != expected or e.nbytes != math.prod(e.shape) * itemsize:
-            raise TransferError(f"the state manifest's layout is inconsistent at {e.path}: offset {e.offset} "
-                                f"(expected {expected}), {e.nbytes} bytes for shape {list(e.shape)} {e.dtype}")
+            raise TransferError(
+                f"the state manifest's layout is inconsistent at {e.path}: offset {e.offset} "
+                f"(expected {expected}), {e.nbytes} bytes for shape {list(e.shape)} {e.dtype}"
+            )
         expected += e.nbytes
     if expected != m.total_bytes:
-        raise TransferError(f"the state manifest says total_bytes={m.total_bytes} but its tensors hold {expected}")
+        raise TransferError(
+            f"the state manifest says total_bytes={m.total_bytes} but its tensors hold {expected}"
+        )
     if not 0 < m.chunk_bytes <= MAX_CHUNK_BYTES:
-        raise TransferError(f"the state manifest's chunk_bytes={m.chunk_bytes} is outside 1..{MAX_CHUNK_BYTES}")
+        raise TransferError(
+            f"the state manifest's chunk_bytes={m.chunk_bytes} is outside 1..{MAX_CHUNK_BYTES}"
+        )
     if m.n_chunks != math.ceil(m.total_bytes / m.chunk_bytes):
-        raise TransferError(f"the state manifest says n_chunks={m.n_chunks}, but {m.total_bytes} bytes in "
-                            f"{m.chunk_bytes}-byte chunks make {math.ceil(m.total_bytes / m.chunk_bytes)}")
+        raise TransferError(
+            f"the state manifest says n_chunks={m.n_chunks}, but {m.total_bytes} bytes in "
+            f"{m.chunk_bytes}-byte chunks make {math.ceil(m.total_bytes / m.chunk_bytes)}"
+        )
 
 
 def dtype_of(name: Any) -> Any:
@@ -281,8 +324,13 @@ def _destination(node: dict[str, Any], into: Any, tensors: list[Any]) -> Any:
     import torch
 
     dtype, shape = dtype_of(node["dtype"]), tuple(node["shape"])
-    if isinstance(into, torch.Tensor) and into.dtype == dtype and tuple(into.shape) == shape \
-            and into.layout == torch.strided and into.is_contiguous():
+    if (
+        isinstance(into, torch.Tensor)
+        and into.dtype == dtype
+        and tuple(into.shape) == shape
+        and into.layout == torch.strided
+        and into.is_contiguous()
+    ):
         tensor = into
     else:
         tensor = torch.empty(shape, dtype=dtype)

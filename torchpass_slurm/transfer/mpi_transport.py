@@ -78,8 +78,10 @@ class _RequestHandle(Handle):
         except MPI.Exception as exc:
             raise self._transport.failed(self._op, self._nbytes, exc) from exc
         if self._op == "recv" and status.Get_count(MPI.BYTE) != self._nbytes:
-            raise TransferError(f"{self._transport.name}: expected a {self._nbytes}-byte message, "
-                                f"got {status.Get_count(MPI.BYTE)} bytes")
+            raise TransferError(
+                f"{self._transport.name}: expected a {self._nbytes}-byte message, "
+                f"got {status.Get_count(MPI.BYTE)} bytes"
+            )
 
 
 class MPITransport(AsyncTransport):
@@ -117,8 +119,10 @@ class MPITransport(AsyncTransport):
     def failed(self, op: str, nbytes: int, exc: BaseException) -> TransferError:
         """A TransferError for an MPI failure."""
         first = str(exc).splitlines()[0]
-        return TransferError(f"{self.name}: {op} of {nbytes} bytes with peer {self.peer} failed: {first}",
-                             hint="the peer is probably gone; connect to another donor and retry")
+        return TransferError(
+            f"{self.name}: {op} of {nbytes} bytes with peer {self.peer} failed: {first}",
+            hint="the peer is probably gone; connect to another donor and retry",
+        )
 
     def _start(self, op: str, buf: "torch.Tensor", timeout: timedelta) -> Handle:
         MPI = _mpi()
@@ -133,7 +137,6 @@ class MPITransport(AsyncTransport):
         except MPI.Exception as exc:
             raise self.failed(op, buf.numel(), exc) from exc
         return _RequestHandle(self, request, op, buf.numel())
-
 
     def close(self) -> None:
         """Disconnect from a healthy peer; a broken communicator is only dropped (Disconnect could hang)."""
@@ -166,7 +169,9 @@ def _blocking_within(call: Callable[[], Any], timeout: timedelta, what: str) -> 
         raise timeout_error("mpi", what, 0, timeout, "the peer did not show up; the MPI call is abandoned")
     error = result.get("error")
     if isinstance(error, _mpi().Exception):
-        raise TransferError(f"mpi: {what} failed: {(str(error) or type(error).__name__).splitlines()[0]}") from error
+        raise TransferError(
+            f"mpi: {what} failed: {(str(error) or type(error).__name__).splitlines()[0]}"
+        ) from error
     if error is not None:
         raise error
     return result["value"]

@@ -106,9 +106,10 @@ class SocketTransport(AsyncTransport):
                 return cls(_connect_tuned(host, port, max(remaining, 0.01)))
             except OSError as exc:
                 if time.monotonic() >= deadline:
-                    raise TransferError(f"socket: could not connect to {host}:{port} within "
-                                        f"{seconds(timeout):g} s: {exc}",
-                                        hint="is the peer listening on that address?") from exc
+                    raise TransferError(
+                        f"socket: could not connect to {host}:{port} within {seconds(timeout):g} s: {exc}",
+                        hint="is the peer listening on that address?",
+                    ) from exc
                 time.sleep(min(0.05, max(remaining, 0)))
 
     # --- I/O ---------------------------------------------------------------------
@@ -132,11 +133,15 @@ class SocketTransport(AsyncTransport):
             except OSError as exc:
                 if self._closed and exc.errno in (errno.EBADF, None):
                     raise TransferError(f"{self.name}: {op} aborted, the transport was closed") from exc
-                raise TransferError(f"{self.name}: {op} failed after {done} of {total} bytes: {exc}",
-                                    hint="the peer is probably gone; retry with another donor") from exc
+                raise TransferError(
+                    f"{self.name}: {op} failed after {done} of {total} bytes: {exc}",
+                    hint="the peer is probably gone; retry with another donor",
+                ) from exc
             if n == 0:
-                raise TransferError(f"{self.name}: the peer closed the connection after {done} of {total} "
-                                    f"bytes of a {op}", hint="the peer is probably gone; retry with another donor")
+                raise TransferError(
+                    f"{self.name}: the peer closed the connection after {done} of {total} bytes of a {op}",
+                    hint="the peer is probably gone; retry with another donor",
+                )
             done += n
 
     def _start(self, op: str, buf: "torch.Tensor", timeout: timedelta) -> Handle:
@@ -144,7 +149,6 @@ class SocketTransport(AsyncTransport):
             raise TransferError(f"{self.name}: {op} on a closed transport")
         future = self._workers[op].submit(self._io, op, buf, timeout)
         return _FutureHandle(future, self.name, op, buf.numel())
-
 
     def close(self) -> None:
         """Close the socket; operations in flight fail with TransferError."""
@@ -175,7 +179,9 @@ class SocketListener:
         try:
             conn, addr = self.sock.accept()
         except socket.timeout:
-            raise timeout_error("socket", "accept", 0, timeout, f"nobody connected to port {self.port}") from None
+            raise timeout_error(
+                "socket", "accept", 0, timeout, f"nobody connected to port {self.port}"
+            ) from None
         logger.debug("accepted a transfer connection from %s:%s", *addr[:2])
         return SocketTransport(conn)
 

@@ -40,16 +40,24 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from torchpass_slurm.errors import ConfigError, TransferError
-from torchpass_slurm.transfer.chunks import (ChunkMap, pack_header, recv_ints, send_ints,
-                                             unpack_header)
+from torchpass_slurm.transfer.chunks import ChunkMap, pack_header, recv_ints, send_ints, unpack_header
 from torchpass_slurm.transfer.manifest import DIGESTS, Manifest, build_manifest, materialize
 from torchpass_slurm.transfer.transport import Handle, Transport
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["send_state", "recv_state", "ReceiveProgress", "TransferStats", "corrupt_chunks_from_env",
-           "ENV_CORRUPT_CHUNKS", "DEFAULT_CHUNK_BYTES", "DEFAULT_DIGEST", "MAX_RESEND_ROUNDS"]
+__all__ = [
+    "send_state",
+    "recv_state",
+    "ReceiveProgress",
+    "TransferStats",
+    "corrupt_chunks_from_env",
+    "ENV_CORRUPT_CHUNKS",
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_DIGEST",
+    "MAX_RESEND_ROUNDS",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +77,11 @@ _REJECT = -1
 class TransferStats:
     """What one send_state / recv_state call moved."""
 
-    bytes: int = 0          # chunk bytes moved by this call, resends included
-    chunks: int = 0         # chunk transmissions, resends included
+    bytes: int = 0  # chunk bytes moved by this call, resends included
+    chunks: int = 0  # chunk transmissions, resends included
     seconds: float = 0.0
-    retries: int = 0        # bad chunks resent
-    resumed_from: int = 0   # first chunk streamed (> 0 when resuming after a dead donor)
+    retries: int = 0  # bad chunks resent
+    resumed_from: int = 0  # first chunk streamed (> 0 when resuming after a dead donor)
     manifest_bytes: int = 0
 
     @property
@@ -87,7 +95,7 @@ class ReceiveProgress:
     """How far a receive got; pass the same object to the retry with the next donor."""
 
     manifest_digest: str | None = None
-    received: int = 0                     # chunks [0, received) arrived (good or bad)
+    received: int = 0  # chunks [0, received) arrived (good or bad)
     bad: set[int] = field(default_factory=set)
     state: Any = None
     tensors: list[Any] = field(default_factory=list)
@@ -105,16 +113,25 @@ def corrupt_chunks_from_env() -> frozenset[int]:
     try:
         return frozenset(int(x) for x in raw.split(",") if x.strip())
     except ValueError:
-        raise ConfigError(f"{ENV_CORRUPT_CHUNKS}={raw!r} is not a comma-separated list of chunk indices",
-                          hint="e.g. 3,7, or unset it") from None
+        raise ConfigError(
+            f"{ENV_CORRUPT_CHUNKS}={raw!r} is not a comma-separated list of chunk indices",
+            hint="e.g. 3,7, or unset it",
+        ) from None
 
 
 # --- donor ------------------------------------------------------------------------------
 
 
-def send_state(transport: Transport, state: Mapping[Any, Any], *, timeout: timedelta,
-               chunk_bytes: int = DEFAULT_CHUNK_BYTES, meta: Any = None,
-               corrupt_chunks: Collection[int] = (), digest_algo: str = DEFAULT_DIGEST) -> TransferStats:
+def send_state(
+    transport: Transport,
+    state: Mapping[Any, Any],
+    *,
+    timeout: timedelta,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    meta: Any = None,
+    corrupt_chunks: Collection[int] = (),
+    digest_algo: str = DEFAULT_DIGEST,
+) -> TransferStats:
     """Stream ``state`` to the receiver at the other end of ``transport``.
 
     ``timeout`` bounds every single wait (no progress for that long fails the
@@ -143,8 +160,15 @@ def send_state(transport: Transport, state: Mapping[Any, Any], *, timeout: timed
         stats.retries += len(bad)
         sender.send(bad, ())
     stats.seconds = time.monotonic() - began
-    logger.info("state sent: %d bytes in %d chunks, %.3f s (%.0f MB/s), from chunk %d, %d resent",
-                stats.bytes, stats.chunks, stats.seconds, stats.throughput / 1e6, start, stats.retries)
+    logger.info(
+        "state sent: %d bytes in %d chunks, %.3f s (%.0f MB/s), from chunk %d, %d resent",
+        stats.bytes,
+        stats.chunks,
+        stats.seconds,
+        stats.throughput / 1e6,
+        start,
+        stats.retries,
+    )
     return stats
 
 
@@ -157,8 +181,10 @@ def _bytes_tensor(data: bytes) -> "torch.Tensor":
 def _recv_bad_list(transport: Transport, n_chunks: int, timeout: timedelta) -> list[int]:
     [count] = recv_ints(transport, 1, timeout)
     if count == _REJECT:
-        raise TransferError(f"the receiver gave up: chunks still arrived bad after {MAX_RESEND_ROUNDS} resends",
-                            hint="the link or a NIC may corrupt data; try another donor or transport")
+        raise TransferError(
+            f"the receiver gave up: chunks still arrived bad after {MAX_RESEND_ROUNDS} resends",
+            hint="the link or a NIC may corrupt data; try another donor or transport",
+        )
     bad = recv_ints(transport, count, timeout) if count else []
     if any(not 0 <= i < n_chunks for i in bad):
         raise TransferError(f"the receiver asked for chunks outside 0..{n_chunks - 1}: {bad[:16]}")
@@ -168,7 +194,9 @@ def _recv_bad_list(transport: Transport, n_chunks: int, timeout: timedelta) -> l
 class _ChunkSender:
     """Double-buffered donor loop: checksum chunk i+1 while chunk i is in flight."""
 
-    def __init__(self, transport: Transport, cmap: ChunkMap, timeout: timedelta, stats: TransferStats) -> None:
+    def __init__(
+        self, transport: Transport, cmap: ChunkMap, timeout: timedelta, stats: TransferStats
+    ) -> None:
         import torch
 
         self.transport, self.cmap, self.timeout, self.stats = transport, cmap, timeout, stats
@@ -183,8 +211,12 @@ class _ChunkSender:
             while len(inflight) >= 2:  # the slot about to be reused must be free
                 _wait_both(inflight.popleft(), self.timeout)
             data = self._prepare(index, k % 2, index in corrupt)
-            inflight.append((self.transport.isend(data, self.timeout),
-                             self.transport.isend(self.digests[k % 2], self.timeout)))
+            inflight.append(
+                (
+                    self.transport.isend(data, self.timeout),
+                    self.transport.isend(self.digests[k % 2], self.timeout),
+                )
+            )
             self.stats.chunks += 1
             self.stats.bytes += data.numel()
         while inflight:
@@ -209,8 +241,13 @@ def _wait_both(handles: tuple[Handle, Handle], timeout: timedelta) -> None:
 # --- receiver ---------------------------------------------------------------------------
 
 
-def recv_state(transport: Transport, *, timeout: timedelta, into: Mapping[Any, Any] | None = None,
-               progress: ReceiveProgress | None = None) -> tuple[dict[Any, Any], TransferStats]:
+def recv_state(
+    transport: Transport,
+    *,
+    timeout: timedelta,
+    into: Mapping[Any, Any] | None = None,
+    progress: ReceiveProgress | None = None,
+) -> tuple[dict[Any, Any], TransferStats]:
     """Receive a state from the donor at the other end of ``transport``.
 
     Tensors of ``into`` with the same path, dtype and shape (and contiguous)
@@ -237,18 +274,28 @@ def recv_state(transport: Transport, *, timeout: timedelta, into: Mapping[Any, A
         receiver.receive(bad, streaming=False)
     if progress.bad:
         send_ints(transport, [_REJECT], timeout)
-        raise TransferError(f"{len(progress.bad)} chunk(s) still failed their digest after {MAX_RESEND_ROUNDS} "
-                            f"resends: {sorted(progress.bad)[:16]}",
-                            hint="the link or a NIC may corrupt data; try another donor or transport")
+        raise TransferError(
+            f"{len(progress.bad)} chunk(s) still failed their digest after {MAX_RESEND_ROUNDS} "
+            f"resends: {sorted(progress.bad)[:16]}",
+            hint="the link or a NIC may corrupt data; try another donor or transport",
+        )
     send_ints(transport, [0], timeout)
     stats.seconds = time.monotonic() - began
-    logger.info("state received: %d bytes in %d chunks, %.3f s (%.0f MB/s), from chunk %d, %d resent",
-                stats.bytes, stats.chunks, stats.seconds, stats.throughput / 1e6, start, stats.retries)
+    logger.info(
+        "state received: %d bytes in %d chunks, %.3f s (%.0f MB/s), from chunk %d, %d resent",
+        stats.bytes,
+        stats.chunks,
+        stats.seconds,
+        stats.throughput / 1e6,
+        start,
+        stats.retries,
+    )
     return progress.state, stats
 
 
-def _recv_manifest(transport: Transport, timeout: timedelta, progress: ReceiveProgress,
-                   into: Mapping[Any, Any] | None) -> tuple[Manifest, int]:
+def _recv_manifest(
+    transport: Transport, timeout: timedelta, progress: ReceiveProgress, into: Mapping[Any, Any] | None
+) -> tuple[Manifest, int]:
     """Read header + manifest, set up ``progress`` (resume or restart); reject politely on errors."""
     import hashlib
 
@@ -259,7 +306,9 @@ def _recv_manifest(transport: Transport, timeout: timedelta, progress: ReceivePr
     try:
         length = unpack_header(header)
         if length > MAX_MANIFEST_BYTES:
-            raise TransferError(f"the donor announced a {length}-byte manifest; the limit is {MAX_MANIFEST_BYTES}")
+            raise TransferError(
+                f"the donor announced a {length}-byte manifest; the limit is {MAX_MANIFEST_BYTES}"
+            )
     except TransferError:
         _reject(transport, timeout)
         raise
@@ -273,8 +322,12 @@ def _recv_manifest(transport: Transport, timeout: timedelta, progress: ReceivePr
         raise
     digest = hashlib.sha256(data).hexdigest()
     if progress.manifest_digest == digest:
-        logger.info("resuming a state transfer at chunk %d of %d (%d bad to resend)",
-                    progress.received, manifest.n_chunks, len(progress.bad))
+        logger.info(
+            "resuming a state transfer at chunk %d of %d (%d bad to resend)",
+            progress.received,
+            manifest.n_chunks,
+            len(progress.bad),
+        )
     else:
         if progress.manifest_digest is not None:
             logger.info("the donor's state differs from the interrupted transfer's; starting over")
@@ -294,8 +347,14 @@ def _reject(transport: Transport, timeout: timedelta) -> None:
 class _ChunkReceiver:
     """Receiver loop: post chunk i+1's receive, then verify and place chunk i."""
 
-    def __init__(self, transport: Transport, cmap: ChunkMap, timeout: timedelta, stats: TransferStats,
-                 progress: ReceiveProgress) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        cmap: ChunkMap,
+        timeout: timedelta,
+        stats: TransferStats,
+        progress: ReceiveProgress,
+    ) -> None:
         import torch
 
         self.transport, self.cmap, self.timeout = transport, cmap, timeout
@@ -311,17 +370,27 @@ class _ChunkReceiver:
             slot = k % 2
             direct = self.cmap.direct(index)
             start, end = self.cmap.manifest.chunk_span(index)
-            target = direct if direct is not None else self.staging[slot][:end - start]
-            handles = (self.transport.irecv(target, self.timeout),
-                       self.transport.irecv(self.digests[slot], self.timeout))
+            target = direct if direct is not None else self.staging[slot][: end - start]
+            handles = (
+                self.transport.irecv(target, self.timeout),
+                self.transport.irecv(self.digests[slot], self.timeout),
+            )
             if pending is not None:
                 self._finish(*pending, streaming=streaming)
             pending = (index, slot, target, direct is None, handles)
         if pending is not None:
             self._finish(*pending, streaming=streaming)
 
-    def _finish(self, index: int, slot: int, data: "torch.Tensor", staged: bool,
-                handles: tuple[Handle, Handle], *, streaming: bool) -> None:
+    def _finish(
+        self,
+        index: int,
+        slot: int,
+        data: "torch.Tensor",
+        staged: bool,
+        handles: tuple[Handle, Handle],
+        *,
+        streaming: bool,
+    ) -> None:
         _wait_both(handles, self.timeout)
         self.stats.chunks += 1
         self.stats.bytes += data.numel()

@@ -63,15 +63,19 @@ class TorchTransport(AsyncTransport):
 
         if group is None:
             if not dist.is_initialized():
-                raise TransferError("TorchTransport without a group needs an initialized default process group",
-                                    hint="call torch.distributed.init_process_group first, or pass group=")
+                raise TransferError(
+                    "TorchTransport without a group needs an initialized default process group",
+                    hint="call torch.distributed.init_process_group first, or pass group=",
+                )
             group = dist.group.WORLD
         self.group = group
         self.peer = int(peer_rank)
         self.tag = int(tag)
         if self.peer == group.rank() or not 0 <= self.peer < group.size():
-            raise TransferError(f"peer rank {self.peer} is not another rank of a group of size {group.size()} "
-                                f"(this rank is {group.rank()})")
+            raise TransferError(
+                f"peer rank {self.peer} is not another rank of a group of size {group.size()} "
+                f"(this rank is {group.rank()})"
+            )
         try:
             self.name = f"torch-{group.name()}"
         except (AttributeError, RuntimeError):  # pragma: no cover - name() exists on every backend we use
@@ -83,8 +87,10 @@ class TorchTransport(AsyncTransport):
         if "Timed out" in text or "timed out" in text or "Timeout" in text:
             return timeout_error(self.name, op, nbytes, timeout, f"peer rank {self.peer}")
         first = text.splitlines()[0] if text else type(exc).__name__
-        return TransferError(f"{self.name}: {op} of {nbytes} bytes with peer rank {self.peer} failed: {first}",
-                             hint="the peer is probably gone; rebuild the group and retry with another donor")
+        return TransferError(
+            f"{self.name}: {op} of {nbytes} bytes with peer rank {self.peer} failed: {first}",
+            hint="the peer is probably gone; rebuild the group and retry with another donor",
+        )
 
     def _start(self, op: str, buf: "torch.Tensor", timeout: timedelta) -> Handle:
         try:
@@ -95,7 +101,6 @@ class TorchTransport(AsyncTransport):
         except RuntimeError as exc:
             raise self.translate(exc, op, buf.numel(), timeout) from exc
         return _WorkHandle(self, work, op, buf.numel())
-
 
     def close(self) -> None:
         """Nothing to release: the process group belongs to the caller."""

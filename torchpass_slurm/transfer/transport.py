@@ -121,12 +121,10 @@ class Transport(ABC):
 
     # --- for implementations -----------------------------------------------
     @abstractmethod
-    def _send(self, buf: "torch.Tensor", timeout: timedelta) -> None:
-        ...
+    def _send(self, buf: "torch.Tensor", timeout: timedelta) -> None: ...
 
     @abstractmethod
-    def _recv(self, buf: "torch.Tensor", timeout: timedelta) -> None:
-        ...
+    def _recv(self, buf: "torch.Tensor", timeout: timedelta) -> None: ...
 
     def _isend(self, buf: "torch.Tensor", timeout: timedelta) -> Handle:
         self._send(buf, timeout)
@@ -146,8 +144,10 @@ class Transport(ABC):
         seconds(timeout)
         check_buffer(buf)
         if self._broken is not None:
-            raise TransferError(f"{self.name}: {op} on a broken transport (earlier failure: {self._broken})",
-                                hint="close it and build a new transport (a new connection or epoch group)")
+            raise TransferError(
+                f"{self.name}: {op} on a broken transport (earlier failure: {self._broken})",
+                hint="close it and build a new transport (a new connection or epoch group)",
+            )
         try:
             return fn()
         except TransferError as exc:
@@ -205,4 +205,5 @@ def timeout_error(name: str, op: str, nbytes: int, timeout: timedelta, detail: s
     return TransferTimeout(
         f"{name}: {op} of {nbytes} bytes did not complete within {seconds(timeout):g} s{extra}",
         hint="the peer may be dead, stalled or unreachable; rebuild the transport and retry "
-             "(with another donor if this one is gone)")
+        "(with another donor if this one is gone)",
+    )

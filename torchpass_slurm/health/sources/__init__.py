@@ -41,8 +41,10 @@ class NoGpuSource:
     name = "none"
 
     def gpus(self) -> tuple[GpuFacts, ...]:
-        raise SourceError("no GPU library found (neither pynvml nor amdsmi imports)",
-                          hint="pip install 'torchpass-slurm[gpu]', or set expected_gpus = 0 on CPU nodes")
+        raise SourceError(
+            "no GPU library found (neither pynvml nor amdsmi imports)",
+            hint="pip install 'torchpass-slurm[gpu]', or set expected_gpus = 0 on CPU nodes",
+        )
 
 
 def load_library(module: ModuleType | None, name: str, hint: str) -> ModuleType:
@@ -64,8 +66,10 @@ def library_error(module: ModuleType, name: str, attribute: str) -> type[Excepti
     error = getattr(module, attribute, None)
     if isinstance(error, type) and issubclass(error, Exception):
         return error
-    raise SourceError(f"{name} has no exception class {attribute}: it is not the binding torchpass-slurm "
-                      "knows", hint=f"install the official {name} package")
+    raise SourceError(
+        f"{name} has no exception class {attribute}: it is not the binding torchpass-slurm knows",
+        hint=f"install the official {name} package",
+    )
 
 
 def _importable(module: str) -> bool:
@@ -94,8 +98,10 @@ def select_source(config: HealthConfig, choice: str | None = None) -> DeviceSour
             return NoGpuSource()
     if choice == "simulated":
         if not simulate:
-            raise ConfigError("the simulated source needs a file",
-                              hint=f"set {SIMULATE_ENV}=FILE or simulate_file in the health config")
+            raise ConfigError(
+                "the simulated source needs a file",
+                hint=f"set {SIMULATE_ENV}=FILE or simulate_file in the health config",
+            )
         from torchpass_slurm.health.sources.simulated import SimulatedSource
 
         return SimulatedSource(simulate)

@@ -106,7 +106,9 @@ class AmdSmiSource:
             pcie_gen_max=_PCIE_GEN.get(static.get("max_pcie_speed")),
             pcie_width=live.get("pcie_width"),
             pcie_width_max=static.get("max_pcie_width"),
-            nvlink_errors=None if xgmi is None else (NvlinkCounter(0, "xgmi", int(getattr(xgmi, "value", xgmi))),),
+            nvlink_errors=None
+            if xgmi is None
+            else (NvlinkCounter(0, "xgmi", int(getattr(xgmi, "value", xgmi))),),
             errors=tuple(sorted(errors.items())),
         )
 

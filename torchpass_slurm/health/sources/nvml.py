@@ -89,8 +89,10 @@ class NvmlSource:
         try:
             nvml.nvmlInit()
         except error as err:
-            raise SourceError(f"NVML did not initialise: {describe(err)}",
-                              hint="check the driver (nvidia-smi); a driver/library mismatch needs a reboot") from None
+            raise SourceError(
+                f"NVML did not initialise: {describe(err)}",
+                hint="check the driver (nvidia-smi); a driver/library mismatch needs a reboot",
+            ) from None
         try:
             try:
                 count = int(nvml.nvmlDeviceGetCount())
@@ -107,8 +109,12 @@ class NvmlSource:
         q = _Queries(nvml, error)
         handle = q("handle", nvml.nvmlDeviceGetHandleByIndex, index)
         if handle is None:
-            return GpuFacts(index=index, uuid=f"index-{index}", lost=q.lost,
-                            errors=tuple((("*", q.errors["handle"]),) if "handle" in q.errors else ()))
+            return GpuFacts(
+                index=index,
+                uuid=f"index-{index}",
+                lost=q.lost,
+                errors=tuple((("*", q.errors["handle"]),) if "handle" in q.errors else ()),
+            )
         uuid = _text(q("uuid", nvml.nvmlDeviceGetUUID, handle)) or f"index-{index}"
         facts = dict(
             name=_text(q("name", nvml.nvmlDeviceGetName, handle)) or "",
@@ -134,7 +140,9 @@ def _const(nvml: ModuleType, name: str, default: int) -> int:
 def _thermal(q: _Queries, nvml: ModuleType, h: Any) -> dict[str, Any]:
     threshold = nvml.nvmlDeviceGetTemperatureThreshold
     return dict(
-        temperature_c=q("temperature_c", nvml.nvmlDeviceGetTemperature, h, _const(nvml, "NVML_TEMPERATURE_GPU", 0)),
+        temperature_c=q(
+            "temperature_c", nvml.nvmlDeviceGetTemperature, h, _const(nvml, "NVML_TEMPERATURE_GPU", 0)
+        ),
         slowdown_c=q("slowdown_c", threshold, h, _const(nvml, "NVML_TEMPERATURE_THRESHOLD_SLOWDOWN", 1)),
         shutdown_c=q("shutdown_c", threshold, h, _const(nvml, "NVML_TEMPERATURE_THRESHOLD_SHUTDOWN", 0)),
     )
@@ -162,7 +170,10 @@ def _memory(q: _Queries, nvml: ModuleType, h: Any) -> dict[str, Any]:
 
 
 def _throttle(q: _Queries, nvml: ModuleType, h: Any) -> tuple[str, ...] | None:
-    fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+    fn = (
+        getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+    )
     mask = q("throttle_reasons", fn, h)
     if mask is None:
         return None

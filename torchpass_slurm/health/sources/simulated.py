@@ -66,8 +66,10 @@ class SimulatedSource:
             raise SourceError(f"{self.path}: gpus[{position}] is not an object")
         unknown = sorted(set(raw) - _FIELDS)
         if unknown:
-            raise SourceError(f"{self.path}: gpus[{position}] has unknown field(s) {', '.join(unknown)}",
-                              hint=f"valid fields: {', '.join(sorted(_FIELDS))}")
+            raise SourceError(
+                f"{self.path}: gpus[{position}] has unknown field(s) {', '.join(unknown)}",
+                hint=f"valid fields: {', '.join(sorted(_FIELDS))}",
+            )
         values = dict(raw)
         values.setdefault("index", position)
         values.setdefault("uuid", f"SIM-GPU-{values['index']}")
