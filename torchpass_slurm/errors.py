@@ -20,7 +20,7 @@ next, and are rendered once, at the command-line boundary
     ├── CheckpointError            exit 5   a checkpoint could not be written or read
     ├── TransferError              exit 6   a state transfer failed (peer gone, corrupt data, bad manifest)
     │   └── TransferTimeout                 one transport call did not finish within its timeout
-    ├── CollectiveError            exit 1   a data-plane collective failed (a peer died): the elastic loop recovers
+    ├── CollectiveError            exit 1   a data-plane collective failed (a peer died); the loop recovers
     │   └── RendezvousTimeout               not every rank arrived at an epoch's rendezvous in time
     ├── SourceError                exit 3   a health check's device library failed (not the node)
     └── SlurmError                 exit 3   anything that went wrong talking to Slurm

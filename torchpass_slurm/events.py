@@ -220,7 +220,7 @@ def read_events(path: Path) -> list[Event]:
     lines = data.split(b"\n")
     parsed = [_parse_line(line) for line in lines]
     events: list[Event] = []
-    for i, (line, event) in enumerate(zip(lines, parsed)):
+    for i, (line, event) in enumerate(zip(lines, parsed, strict=True)):
         if event is not None:
             events.append(event)
         elif line.strip() and not _is_torn(i, lines, parsed):

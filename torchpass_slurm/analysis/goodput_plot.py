@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from torchpass_slurm.errors import TorchpassError
 from torchpass_slurm.analysis.goodput import GoodputParams, ettr
+from torchpass_slurm.errors import TorchpassError
 
 #: The study's checkpoint-restart examples: (GPUs, checkpoint interval in s, published ETTR).
 PUBLISHED = ((16384, 3600.0, 0.70), (16384, 300.0, 0.93))

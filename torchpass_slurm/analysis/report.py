@@ -71,6 +71,7 @@ The rules:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -463,7 +464,7 @@ def _phases(cause: _Cause, recovery: _Recovery) -> Phases:
         later = next((m for m in marks[i + 1 :] if m is not None), None)
         if marks[i] is not None and later is not None and marks[i] > later:
             marks[i] = later
-    spans = [_interval(a, b) for a, b in zip(marks, marks[1:])]
+    spans = [_interval(a, b) for a, b in itertools.pairwise(marks)]
     return Phases(*spans, total=_interval(detected, marks[-1]))
 
 

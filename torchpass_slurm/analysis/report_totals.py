@@ -167,7 +167,10 @@ def _totals(faults: Sequence[FaultRecord], recoveries: Sequence[FaultRecord]) ->
 
 
 def summary_line(summary: Summary) -> str:
-    """``2 of 2 faults resolved by live migration with 0 committed steps lost (100% with no lost progress)``."""
+    """One line, such as:
+
+    ``2 of 2 faults resolved by live migration with 0 committed steps lost (100% with no lost progress)``
+    """
     if not summary.faults:
         return "no faults on active nodes"
     noun = "fault" if summary.faults == 1 else "faults"

@@ -147,13 +147,13 @@ def _hook(
         config, report = _evaluate(config_path, source, node)
     except ConfigError as err:
         notify(f"torchpass: health check not run: {err.message} (node not drained)")
-        raise SystemExit(broken_exit)
+        raise SystemExit(broken_exit) from err
     except Exception as err:  # deliberately broad: a bug in the check must not drain the node or fail a job
         prog, *argv = click.get_current_context().command_path.split()
         log = write_traceback(err, prog, argv)
         where = f"traceback in {log}" if log is not None else "the traceback could not be written"
         notify(f"torchpass: health check broke: {type(err).__name__}: {err}; {where} (node not drained)")
-        raise SystemExit(broken_exit)
+        raise SystemExit(broken_exit) from err
     code, message = decide(config, report)
     if message:
         notify(message)

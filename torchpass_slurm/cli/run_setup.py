@@ -17,9 +17,9 @@ from torchpass_slurm.control.secret import create_secret, load_secret
 from torchpass_slurm.control.server import ControlServer
 from torchpass_slurm.errors import ConfigError
 from torchpass_slurm.events import EVENTS_FILE, EventLog
-from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.slurm import select_backend
 from torchpass_slurm.supervisor.loop import Supervisor
+from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.workers import StepLauncher
 
 logger = logging.getLogger(__name__)

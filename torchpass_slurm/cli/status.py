@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import click
 
+from torchpass_slurm.analysis.rundir import find_run_dir
 from torchpass_slurm.cli.app import App, pass_app
 from torchpass_slurm.cli.poll import poll_until
 from torchpass_slurm.config import SupervisorConfig
-from torchpass_slurm.analysis.rundir import find_run_dir
 from torchpass_slurm.supervisor.status import STATUS_FILE, JobStatus, NodeStatus, read_status
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def status_as_json(status: JobStatus, now: float) -> str:
     """The ``--json`` document: status.json plus ``status_age`` and each node's ``heartbeat_age``."""
     data = json.loads(status.to_json())
     data["status_age"] = round(now - status.updated, 3)
-    for entry, node in zip(data["nodes"], status.nodes):
+    for entry, node in zip(data["nodes"], status.nodes, strict=True):
         age = heartbeat_age(node, now)
         entry["heartbeat_age"] = None if age is None else round(age, 3)
     return json.dumps(data, indent=2, sort_keys=True)

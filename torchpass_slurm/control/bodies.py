@@ -33,7 +33,7 @@ class PromoteMode(str, enum.Enum):
 
 def _field(body: Mapping[str, Any], name: str, kind: type, what: str) -> Any:
     value = body.get(name)
-    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
         raise ControlPlaneError(f"{what} body field {name!r} is {value!r}; expected {kind.__name__}")
     return value
 

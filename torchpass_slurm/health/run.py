@@ -97,7 +97,8 @@ class _Bounded(Generic[T]):
 
 
 def local_node_name() -> str:
-    """The Slurm node name: ``$SLURMD_NODENAME`` (set for Prolog/Epilog/HealthCheckProgram), else the short host name."""
+    """The Slurm node name: ``$SLURMD_NODENAME`` (set for Prolog/Epilog/HealthCheckProgram),
+    else the short host name."""
     import os
 
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]

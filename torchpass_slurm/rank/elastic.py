@@ -137,7 +137,7 @@ class ElasticTrainer:
         if self._started:
             return
         self._started = True
-        if self.rt.world_size > 1 or self.rt.info and self.rt.info.store_addr:
+        if self.rt.world_size > 1 or (self.rt.info and self.rt.info.store_addr):
             self.rt.init_process_group(self.backend, collective_timeout(), RENDEZVOUS_TIMEOUT)
         self.rt.report(ReportKind.LIVE_READY, step=self.step, epoch=self.rt.epoch)
         promotion = self.rt.promotion

@@ -44,7 +44,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any, Protocol
 
 from torchpass_slurm.config import (
@@ -308,7 +308,8 @@ class Runtime:
                               f"{info.world_size} ranks", hint="export them (the sbatch examples show how)")
         dist.init_process_group(backend=backend, init_method="env://", rank=info.rank,
                                 world_size=info.world_size, timeout=timeout)
-        self.log.info("process group up: backend=%s master=%s:%s", backend, info.master_addr, info.master_port)
+        self.log.info("process group up: backend=%s master=%s:%s", backend, info.master_addr,
+                      info.master_port)
 
     def _await_all_ranks(self, store: Any, info: RankInfo, wait: datetime.timedelta) -> None:
         """Count in at the epoch's store and wait (polling) until every rank has.
@@ -403,9 +404,9 @@ class Runtime:
 
     def _hello_body(self) -> dict[str, Any]:
         info = self._info()
-        return {"node": self.node, "rank": info.rank, "local_rank": info.local_rank, "role": Role.ACTIVE.value,
-                "pid": os.getpid(), "world_size": info.world_size, "epoch": info.epoch,
-                "promoted": self.is_spare_promoted}
+        return {"node": self.node, "rank": info.rank, "local_rank": info.local_rank,
+                "role": Role.ACTIVE.value, "pid": os.getpid(), "world_size": info.world_size,
+                "epoch": info.epoch, "promoted": self.is_spare_promoted}
 
     def _beat_body(self, state: str | None = None) -> dict[str, Any]:
         return {"rank": self.info.rank if self.info is not None else None,
@@ -432,8 +433,8 @@ class Runtime:
 
     def _wait_for_promotion(self, timeout: datetime.timedelta | None) -> None:
         self.state = "standby"
-        self._send(Kind.STANDBY, {"node": self.node, "local_rank": _int(self._environ, "SLURM_LOCALID", default=0),
-                                     "pid": os.getpid()})
+        self._send(Kind.STANDBY, {"node": self.node, "pid": os.getpid(),
+                                  "local_rank": _int(self._environ, "SLURM_LOCALID", default=0)})
         self.log.info("standby: waiting for promote or stop")
         interval = datetime.timedelta(seconds=self._config.heartbeat_interval)
         waited = datetime.timedelta(0)
@@ -479,8 +480,9 @@ def make_tcp_store(host: str, port: int, *, is_master: bool, timeout: datetime.t
         return dist.TCPStore(host, port, **kwargs)
 
 
-def init(environ: MutableMapping[str, str] | None = None, *, client_factory: ClientFactory | None = None,
-         config: SupervisorConfig | None = None, standby_timeout: datetime.timedelta | None = None) -> Runtime:
+def init(environ: MutableMapping[str, str] | None = None, *,
+         client_factory: ClientFactory | None = None, config: SupervisorConfig | None = None,
+         standby_timeout: datetime.timedelta | None = None) -> Runtime:
     """Join the job as described by the environment; see the module docstring.
 
     A spare blocks here until promoted; a spare told to stop exits the process

@@ -108,7 +108,7 @@ def _field(record: Mapping[str, Any], key: str, kind: type | tuple[type, ...], w
     if key not in record:
         raise SlurmParseError(what, f"missing key {key!r}", excerpt=json.dumps(record))
     value = record[key]
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
         raise SlurmParseError(
             what, f"{key!r} should be {names}, got {type(value).__name__}", excerpt=json.dumps(record)

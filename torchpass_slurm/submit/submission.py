@@ -7,6 +7,7 @@ so that tests run it against fakes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -89,7 +90,5 @@ def submit(
 
 
 def _remove_empty(folder: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         folder.rmdir()
-    except OSError:
-        pass

@@ -124,7 +124,7 @@ class Executor:
         self.events.append(ev.MIGRATION_STARTED, failed=failed, spares=list(plan.promoted),
                            last_heartbeat=self.job.last_heartbeat(failed),
                            committed_step=committed, mode=plan.action.recovery)
-        for spare, node in zip(plan.promoted, failed):
+        for spare, node in zip(plan.promoted, failed, strict=True):
             self.events.append(ev.SPARE_PROMOTED, node=spare, replaces=node,
                                ranks=list(new.ranks_of(spare)), mode=PromoteMode.LIVE)
         prev = self.job.migration  # a fault during a migration: one recovery covers both
@@ -166,7 +166,7 @@ class Executor:
     def _restart(self, plan: Plan) -> None:
         self.job.state = RunState.RECOVERING
         new, failed = plan.membership, [f.node for f in plan.lost]
-        for spare, node in zip(plan.promoted, failed):
+        for spare, node in zip(plan.promoted, failed, strict=True):
             self.events.append(ev.SPARE_PROMOTED, epoch=new.epoch, node=spare, replaces=node,
                                ranks=list(new.ranks_of(spare)))
         self.change_membership(new)

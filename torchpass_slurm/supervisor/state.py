@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
 from torchpass_slurm.faults import Resolution
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.workers import Clock, WorkerState, WorkerStep

@@ -9,6 +9,7 @@ bounded wait. Nothing here decides anything; :mod:`.supervisor` does.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import signal
@@ -19,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from torchpass_slurm import config as cfg
-from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.slurm import SlurmBackend
+from torchpass_slurm.supervisor.membership import Membership
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +184,5 @@ class StepLauncher:
 
 
 def _signal(process: subprocess.Popen[bytes], sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         process.send_signal(sig)
-    except ProcessLookupError:
-        pass

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import bisect
 import struct
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING
 
 from torchpass_slurm.errors import TransferError
 
@@ -29,12 +30,12 @@ MAGIC = b"TPST"
 VERSION = 1
 
 
-def pack_header(manifest_len: int) -> "torch.Tensor":
+def pack_header(manifest_len: int) -> torch.Tensor:
     """The 16-byte header that precedes the manifest."""
     return _tensor(HEADER.pack(MAGIC, VERSION, 0, manifest_len))
 
 
-def unpack_header(buf: "torch.Tensor") -> int:
+def unpack_header(buf: torch.Tensor) -> int:
     """The manifest length from a header; TransferError if it is not ours."""
     magic, version, _, length = HEADER.unpack(bytes(buf.numpy()))
     if magic != MAGIC:
@@ -50,18 +51,18 @@ def unpack_header(buf: "torch.Tensor") -> int:
     return length
 
 
-def _tensor(data: bytes) -> "torch.Tensor":
+def _tensor(data: bytes) -> torch.Tensor:
     import torch
 
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
-def send_ints(transport: "Transport", values: Sequence[int], timeout: timedelta) -> None:
+def send_ints(transport: Transport, values: Sequence[int], timeout: timedelta) -> None:
     """Send signed 64-bit ints (a protocol message)."""
     transport.send(_tensor(struct.pack(f"<{len(values)}q", *values)), timeout)
 
 
-def recv_ints(transport: "Transport", count: int, timeout: timedelta) -> list[int]:
+def recv_ints(transport: Transport, count: int, timeout: timedelta) -> list[int]:
     """Receive ``count`` signed 64-bit ints."""
     import torch
 
@@ -70,7 +71,7 @@ def recv_ints(transport: "Transport", count: int, timeout: timedelta) -> list[in
     return list(struct.unpack(f"<{count}q", bytes(buf.numpy())))
 
 
-def byte_view(t: "torch.Tensor") -> "torch.Tensor":
+def byte_view(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor's memory (no copy)."""
     import torch
 
@@ -83,13 +84,13 @@ def byte_view(t: "torch.Tensor") -> "torch.Tensor":
 class ChunkMap:
     """Chunk index -> pieces of the tensors, for one side's tensors in stream order."""
 
-    def __init__(self, manifest: "Manifest", tensors: Sequence["torch.Tensor"]) -> None:
+    def __init__(self, manifest: Manifest, tensors: Sequence[torch.Tensor]) -> None:
         self.manifest = manifest
         self.tensors = list(tensors)
         self.offsets = [e.offset for e in manifest.entries]
-        self._views: dict[int, "torch.Tensor"] = {}
+        self._views: dict[int, torch.Tensor] = {}
 
-    def view(self, i: int) -> "torch.Tensor":
+    def view(self, i: int) -> torch.Tensor:
         """The byte view of tensor ``i`` (a contiguous copy for a non-contiguous one, cached alone)."""
         if i not in self._views:
             t = self.tensors[i]
@@ -115,7 +116,7 @@ class ChunkMap:
             i += 1
         return out
 
-    def direct(self, index: int) -> "torch.Tensor | None":
+    def direct(self, index: int) -> torch.Tensor | None:
         """A zero-copy view of chunk ``index`` when it lies in one contiguous CPU tensor."""
         pieces = self.pieces(index)
         if len(pieces) != 1:
@@ -126,7 +127,7 @@ class ChunkMap:
             return None
         return self.view(i)[start : start + n]
 
-    def gather(self, index: int, staging: "torch.Tensor") -> "torch.Tensor":
+    def gather(self, index: int, staging: torch.Tensor) -> torch.Tensor:
         """Copy chunk ``index`` into ``staging`` (on the CPU) and return the filled part."""
         start, end = self.manifest.chunk_span(index)
         out = staging[: end - start]
@@ -134,7 +135,7 @@ class ChunkMap:
             out[c_start : c_start + n].copy_(self.view(i)[t_start : t_start + n])
         return out
 
-    def scatter(self, index: int, data: "torch.Tensor") -> None:
+    def scatter(self, index: int, data: torch.Tensor) -> None:
         """Write a received chunk into the destination tensors."""
         for i, t_start, n, c_start in self.pieces(index):
             self.view(i)[t_start : t_start + n].copy_(data[c_start : c_start + n])

@@ -28,9 +28,9 @@ import hashlib
 import json
 import math
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from torchpass_slurm.errors import TransferError
 
@@ -102,7 +102,7 @@ class Manifest:
         return start, min(start + self.chunk_bytes, self.total_bytes)
 
     @classmethod
-    def from_json(cls, data: bytes) -> "Manifest":
+    def from_json(cls, data: bytes) -> Manifest:
         """Parse and validate a manifest; TransferError says what is wrong."""
         try:
             doc = json.loads(data.decode("utf-8"))

@@ -25,8 +25,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from torchpass_slurm.errors import TransferError
 from torchpass_slurm.transfer.transport import AsyncTransport, Handle, seconds, timeout_error
@@ -61,7 +62,7 @@ def _mpi() -> Any:
 
 
 class _RequestHandle(Handle):
-    def __init__(self, transport: "MPITransport", request: Any, op: str, nbytes: int) -> None:
+    def __init__(self, transport: MPITransport, request: Any, op: str, nbytes: int) -> None:
         self._transport, self._request, self._op, self._nbytes = transport, request, op, nbytes
 
     def wait(self, timeout: timedelta) -> None:
@@ -98,7 +99,7 @@ class MPITransport(AsyncTransport):
         comm.Set_errhandler(MPI.ERRORS_RETURN)
 
     @classmethod
-    def accept(cls, publish: Callable[[str], None], timeout: timedelta) -> "MPITransport":
+    def accept(cls, publish: Callable[[str], None], timeout: timedelta) -> MPITransport:
         """Open a port, hand its name to ``publish`` (a file, the control plane), accept one peer."""
         MPI = _mpi()
         port = MPI.Open_port()
@@ -110,7 +111,7 @@ class MPITransport(AsyncTransport):
         return cls(comm, 0)
 
     @classmethod
-    def connect(cls, port_name: str, timeout: timedelta) -> "MPITransport":
+    def connect(cls, port_name: str, timeout: timedelta) -> MPITransport:
         """Connect to a port opened by :meth:`accept` on the peer."""
         MPI = _mpi()
         comm = _blocking_within(lambda: MPI.COMM_SELF.Connect(port_name), timeout, "connect")
@@ -124,7 +125,7 @@ class MPITransport(AsyncTransport):
             hint="the peer is probably gone; connect to another donor and retry",
         )
 
-    def _start(self, op: str, buf: "torch.Tensor", timeout: timedelta) -> Handle:
+    def _start(self, op: str, buf: torch.Tensor, timeout: timedelta) -> Handle:
         MPI = _mpi()
         if buf.device.type != "cpu":
             raise TypeError(f"MPITransport needs CPU buffers, got one on {buf.device}")

@@ -14,6 +14,7 @@ and raises :class:`TransferError` at once.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import select
@@ -60,7 +61,7 @@ def _connect_tuned(host: str, port: int, timeout_s: float) -> socket.socket:
 
 
 class _FutureHandle(Handle):
-    def __init__(self, future: "Future[None]", name: str, op: str, nbytes: int) -> None:
+    def __init__(self, future: Future[None], name: str, op: str, nbytes: int) -> None:
         self._future = future
         self._name, self._op, self._nbytes = name, op, nbytes
 
@@ -86,18 +87,18 @@ class SocketTransport(AsyncTransport):
 
     # --- construction -----------------------------------------------------------
     @classmethod
-    def listener(cls, host: str = "0.0.0.0", port: int = 0) -> "SocketListener":
+    def listener(cls, host: str = "0.0.0.0", port: int = 0) -> SocketListener:
         """Bind and listen; ``.port`` tells the chosen port, ``.accept(timeout)`` gives a transport."""
         return SocketListener(host, port)
 
     @classmethod
-    def listen(cls, host: str, port: int, timeout: timedelta) -> "SocketTransport":
+    def listen(cls, host: str, port: int, timeout: timedelta) -> SocketTransport:
         """Listen on ``host:port`` and accept exactly one peer within ``timeout``."""
         with SocketListener(host, port) as listener:
             return listener.accept(timeout)
 
     @classmethod
-    def connect(cls, host: str, port: int, timeout: timedelta) -> "SocketTransport":
+    def connect(cls, host: str, port: int, timeout: timedelta) -> SocketTransport:
         """Connect to a listening peer, retrying refused connections until ``timeout``."""
         deadline = time.monotonic() + seconds(timeout)
         while True:
@@ -113,7 +114,7 @@ class SocketTransport(AsyncTransport):
                 time.sleep(min(0.05, max(remaining, 0)))
 
     # --- I/O ---------------------------------------------------------------------
-    def _io(self, op: str, buf: "torch.Tensor", timeout: timedelta) -> None:
+    def _io(self, op: str, buf: torch.Tensor, timeout: timedelta) -> None:
         if buf.device.type != "cpu":
             raise TypeError(f"SocketTransport needs CPU buffers, got one on {buf.device}")
         view = memoryview(buf.numpy()).cast("B")
@@ -144,7 +145,7 @@ class SocketTransport(AsyncTransport):
                 )
             done += n
 
-    def _start(self, op: str, buf: "torch.Tensor", timeout: timedelta) -> Handle:
+    def _start(self, op: str, buf: torch.Tensor, timeout: timedelta) -> Handle:
         if self._closed:
             raise TransferError(f"{self.name}: {op} on a closed transport")
         future = self._workers[op].submit(self._io, op, buf, timeout)
@@ -155,10 +156,8 @@ class SocketTransport(AsyncTransport):
         if self._closed:
             return
         self._closed = True
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
         for worker in self._workers.values():
             worker.shutdown(wait=False)
@@ -178,7 +177,7 @@ class SocketListener:
         self.sock.settimeout(seconds(timeout))
         try:
             conn, addr = self.sock.accept()
-        except socket.timeout:
+        except TimeoutError:
             raise timeout_error(
                 "socket", "accept", 0, timeout, f"nobody connected to port {self.port}"
             ) from None
@@ -189,7 +188,7 @@ class SocketListener:
         """Stop listening."""
         self.sock.close()
 
-    def __enter__(self) -> "SocketListener":
+    def __enter__(self) -> SocketListener:
         return self
 
     def __exit__(self, *exc: object) -> None:

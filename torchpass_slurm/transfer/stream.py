@@ -172,7 +172,7 @@ def send_state(
     return stats
 
 
-def _bytes_tensor(data: bytes) -> "torch.Tensor":
+def _bytes_tensor(data: bytes) -> torch.Tensor:
     import torch
 
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -222,7 +222,7 @@ class _ChunkSender:
         while inflight:
             _wait_both(inflight.popleft(), self.timeout)
 
-    def _prepare(self, index: int, slot: int, corrupt: bool) -> "torch.Tensor":
+    def _prepare(self, index: int, slot: int, corrupt: bool) -> torch.Tensor:
         data = None if corrupt else self.cmap.direct(index)
         if data is None:
             data = self.cmap.gather(index, self.staging[slot])
@@ -365,7 +365,7 @@ class _ChunkReceiver:
         self.digests = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
 
     def receive(self, indices: Iterable[int], *, streaming: bool) -> None:
-        pending: tuple[int, int, "torch.Tensor", bool, tuple[Handle, Handle]] | None = None
+        pending: tuple[int, int, torch.Tensor, bool, tuple[Handle, Handle]] | None = None
         for k, index in enumerate(indices):
             slot = k % 2
             direct = self.cmap.direct(index)
@@ -385,7 +385,7 @@ class _ChunkReceiver:
         self,
         index: int,
         slot: int,
-        data: "torch.Tensor",
+        data: torch.Tensor,
         staged: bool,
         handles: tuple[Handle, Handle],
         *,

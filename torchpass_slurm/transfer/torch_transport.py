@@ -20,6 +20,7 @@ for NCCL.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -39,7 +40,7 @@ DEFAULT_TAG = 7077
 
 
 class _WorkHandle(Handle):
-    def __init__(self, transport: "TorchTransport", work: Any, op: str, nbytes: int) -> None:
+    def __init__(self, transport: TorchTransport, work: Any, op: str, nbytes: int) -> None:
         self._transport = transport
         self._work = work
         self._op = op
@@ -62,12 +63,12 @@ class TorchTransport(AsyncTransport):
         import torch.distributed as dist
 
         if group is None:
-            if not dist.is_initialized():
+            group = dist.group.WORLD if dist.is_initialized() else None
+            if group is None:
                 raise TransferError(
                     "TorchTransport without a group needs an initialized default process group",
                     hint="call torch.distributed.init_process_group first, or pass group=",
                 )
-            group = dist.group.WORLD
         self.group = group
         self.peer = int(peer_rank)
         self.tag = int(tag)
@@ -76,10 +77,8 @@ class TorchTransport(AsyncTransport):
                 f"peer rank {self.peer} is not another rank of a group of size {group.size()} "
                 f"(this rank is {group.rank()})"
             )
-        try:
+        with contextlib.suppress(AttributeError, RuntimeError):  # name() exists on every backend we use
             self.name = f"torch-{group.name()}"
-        except (AttributeError, RuntimeError):  # pragma: no cover - name() exists on every backend we use
-            pass
 
     def translate(self, exc: RuntimeError, op: str, nbytes: int, timeout: timedelta) -> TransferError:
         """Turn a backend RuntimeError into TransferTimeout / TransferError."""
@@ -92,7 +91,7 @@ class TorchTransport(AsyncTransport):
             hint="the peer is probably gone; rebuild the group and retry with another donor",
         )
 
-    def _start(self, op: str, buf: "torch.Tensor", timeout: timedelta) -> Handle:
+    def _start(self, op: str, buf: torch.Tensor, timeout: timedelta) -> Handle:
         try:
             if op == "send":
                 work = self.group.send([buf], self.peer, self.tag)

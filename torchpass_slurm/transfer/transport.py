@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from torchpass_slurm.errors import TransferError, TransferTimeout
 
@@ -48,7 +49,7 @@ def seconds(timeout: timedelta) -> float:
     return value
 
 
-def check_buffer(buf: "torch.Tensor") -> None:
+def check_buffer(buf: torch.Tensor) -> None:
     """Raise ``TypeError`` unless ``buf`` is a contiguous uint8 tensor."""
     import torch
 
@@ -88,19 +89,19 @@ class Transport(ABC):
         self._broken: str | None = None
 
     # --- public API ---------------------------------------------------------
-    def send(self, buf: "torch.Tensor", timeout: timedelta) -> None:
+    def send(self, buf: torch.Tensor, timeout: timedelta) -> None:
         """Send all of ``buf`` (contiguous uint8) to the peer within ``timeout``."""
         self._run("send", buf, timeout, lambda: self._send(buf, timeout))
 
-    def recv(self, buf: "torch.Tensor", timeout: timedelta) -> None:
+    def recv(self, buf: torch.Tensor, timeout: timedelta) -> None:
         """Fill all of ``buf`` (contiguous uint8, exactly the expected size) within ``timeout``."""
         self._run("recv", buf, timeout, lambda: self._recv(buf, timeout))
 
-    def isend(self, buf: "torch.Tensor", timeout: timedelta) -> Handle:
+    def isend(self, buf: torch.Tensor, timeout: timedelta) -> Handle:
         """Start sending ``buf``; it must not be modified until the handle's ``wait`` returned."""
         return self._guarded_handle(self._run("isend", buf, timeout, lambda: self._isend(buf, timeout)))
 
-    def irecv(self, buf: "torch.Tensor", timeout: timedelta) -> Handle:
+    def irecv(self, buf: torch.Tensor, timeout: timedelta) -> Handle:
         """Start receiving into ``buf``; it is filled once the handle's ``wait`` returned."""
         return self._guarded_handle(self._run("irecv", buf, timeout, lambda: self._irecv(buf, timeout)))
 
@@ -113,7 +114,7 @@ class Transport(ABC):
     def close(self) -> None:
         """Release the connection; idempotent. Does not wait for operations in flight."""
 
-    def __enter__(self) -> "Transport":
+    def __enter__(self) -> Transport:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -121,16 +122,16 @@ class Transport(ABC):
 
     # --- for implementations -----------------------------------------------
     @abstractmethod
-    def _send(self, buf: "torch.Tensor", timeout: timedelta) -> None: ...
+    def _send(self, buf: torch.Tensor, timeout: timedelta) -> None: ...
 
     @abstractmethod
-    def _recv(self, buf: "torch.Tensor", timeout: timedelta) -> None: ...
+    def _recv(self, buf: torch.Tensor, timeout: timedelta) -> None: ...
 
-    def _isend(self, buf: "torch.Tensor", timeout: timedelta) -> Handle:
+    def _isend(self, buf: torch.Tensor, timeout: timedelta) -> Handle:
         self._send(buf, timeout)
         return DoneHandle()
 
-    def _irecv(self, buf: "torch.Tensor", timeout: timedelta) -> Handle:
+    def _irecv(self, buf: torch.Tensor, timeout: timedelta) -> Handle:
         self._recv(buf, timeout)
         return DoneHandle()
 
@@ -140,7 +141,7 @@ class Transport(ABC):
             self._broken = str(exc).splitlines()[0]
             logger.debug("%s is broken: %s", self.name, self._broken)
 
-    def _run(self, op: str, buf: "torch.Tensor", timeout: timedelta, fn: Callable[[], object]) -> object:
+    def _run(self, op: str, buf: torch.Tensor, timeout: timedelta, fn: Callable[[], object]) -> object:
         seconds(timeout)
         check_buffer(buf)
         if self._broken is not None:
@@ -163,19 +164,19 @@ class AsyncTransport(Transport):
     """A transport whose every operation is started by :meth:`_start` and waited on its handle."""
 
     @abstractmethod
-    def _start(self, op: str, buf: "torch.Tensor", timeout: timedelta) -> Handle:
+    def _start(self, op: str, buf: torch.Tensor, timeout: timedelta) -> Handle:
         """Start ``op`` ("send" or "recv") on ``buf``; return its handle."""
 
-    def _send(self, buf: "torch.Tensor", timeout: timedelta) -> None:
+    def _send(self, buf: torch.Tensor, timeout: timedelta) -> None:
         self._start("send", buf, timeout).wait(timeout)
 
-    def _recv(self, buf: "torch.Tensor", timeout: timedelta) -> None:
+    def _recv(self, buf: torch.Tensor, timeout: timedelta) -> None:
         self._start("recv", buf, timeout).wait(timeout)
 
-    def _isend(self, buf: "torch.Tensor", timeout: timedelta) -> Handle:
+    def _isend(self, buf: torch.Tensor, timeout: timedelta) -> Handle:
         return self._start("send", buf, timeout)
 
-    def _irecv(self, buf: "torch.Tensor", timeout: timedelta) -> Handle:
+    def _irecv(self, buf: torch.Tensor, timeout: timedelta) -> Handle:
         return self._start("recv", buf, timeout)
 
 
