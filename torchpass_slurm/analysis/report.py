@@ -462,10 +462,11 @@ def _phases(cause: _Cause, recovery: _Recovery) -> Phases:
     # by the time the next one did, so an earlier mark is capped by the later ones.
     for i in range(len(marks) - 2, 1, -1):
         later = next((m for m in marks[i + 1 :] if m is not None), None)
-        if marks[i] is not None and later is not None and marks[i] > later:
+        mark = marks[i]
+        if mark is not None and later is not None and mark > later:
             marks[i] = later
     spans = [_interval(a, b) for a, b in itertools.pairwise(marks)]
-    return Phases(*spans, total=_interval(detected, marks[-1]))
+    return Phases(**dict(zip(PHASES, spans, strict=True)), total=_interval(detected, marks[-1]))
 
 
 def _last_heartbeat(started: Event | None, node: str) -> float | None:

@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 
@@ -90,7 +90,7 @@ def pass_app(f: F) -> F:
 
     from functools import update_wrapper
 
-    return update_wrapper(wrapper, f)  # type: ignore[return-value]
+    return cast(F, update_wrapper(wrapper, f))  # functools types the wrapper, not F
 
 
 def render_error(err: TorchpassError) -> None:

@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from torchpass_slurm.errors import AuthenticationError, ControlPlaneError
 
@@ -450,5 +450,5 @@ def _check_fresh(msg: Message, now: float, max_skew_s: float) -> None:
         )
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)

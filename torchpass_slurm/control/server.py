@@ -144,7 +144,7 @@ class ControlServer:
         except zmq.ZMQError as exc:
             self.close()
             raise ControlPlaneError(f"cannot bind the control plane to {address}: {exc}") from None
-        last = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        last = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         return int(last.rsplit(":", 1)[1])
 
     def _drain(self) -> list[tuple[bytes, Message]]:

@@ -34,6 +34,7 @@ from torchpass_slurm.config import (
     ENV_RUN_DIR,
     env_float,
 )
+from torchpass_slurm.control.messages import ReportKind
 
 if TYPE_CHECKING:
     from torchpass_slurm.health.run import HealthReport
@@ -57,7 +58,7 @@ class Report(Protocol):
     :meth:`torchpass_slurm.rank.runtime.Runtime.report` is one.
     """
 
-    def __call__(self, event: str, **fields: Any) -> None: ...
+    def __call__(self, event: ReportKind, **fields: Any) -> None: ...
 
 
 class HealthAgent(threading.Thread):
@@ -133,7 +134,7 @@ class HealthAgent(threading.Thread):
         if bad:  # even when another check broke (UNKNOWN ranks above WARNING in report.status)
             summary = "; ".join(r.message for r in bad)[:300]
             status = max(bad, key=lambda r: r.status).status.name
-            self.report("health_warning", node=self.node, status=status, summary=summary)
+            self.report(ReportKind.HEALTH_WARNING, node=self.node, status=status, summary=summary)
             self.reported = True
             logger.warning("health agent on %s: %s: %s", self.node, status, summary)
         elif report.status == Status.UNKNOWN:

@@ -285,11 +285,13 @@ def check_gpu_pcie_link(facts: Facts, config: HealthConfig) -> list[CheckResult]
         if gpu.pcie_width is None and gpu.pcie_gen is None:
             return _not_reported("PCIe link", facts.source)
         findings: list[tuple[Status, str]] = []
-        if None not in (gpu.pcie_width, gpu.pcie_width_max) and gpu.pcie_width < gpu.pcie_width_max:  # type: ignore[operator]
+        width, width_max = gpu.pcie_width, gpu.pcie_width_max
+        if width is not None and width_max is not None and width < width_max:
             findings.append(
                 (width_status, f"width x{gpu.pcie_width} below its maximum x{gpu.pcie_width_max}")
             )
-        if None not in (gpu.pcie_gen, gpu.pcie_gen_max) and gpu.pcie_gen < gpu.pcie_gen_max:  # type: ignore[operator]
+        gen, gen_max = gpu.pcie_gen, gpu.pcie_gen_max
+        if gen is not None and gen_max is not None and gen < gen_max:
             findings.append((gen_status, f"gen {gpu.pcie_gen} below its maximum gen {gpu.pcie_gen_max}"))
         if not findings:
             return (

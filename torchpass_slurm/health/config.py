@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -177,10 +178,10 @@ def _read_file(path: Path) -> Mapping[str, Any]:
         raise ConfigError(f"cannot read the health config {path}: {err.strerror}") from None
     try:
         if path.suffix == ".toml":
-            try:
+            if sys.version_info >= (3, 11):
                 import tomllib
-            except ModuleNotFoundError:  # Python 3.10
-                import tomli as tomllib  # type: ignore[no-redef]
+            else:
+                import tomli as tomllib
             data = tomllib.loads(text)
         else:
             data = json.loads(text)

@@ -35,7 +35,7 @@ MAX_REASON = 120
 
 def is_ours(reason: str | None) -> bool:
     """True when ``reason`` is one torchpass wrote."""
-    return bool(reason) and reason.strip().startswith(REASON_PREFIX)  # type: ignore[union-attr]
+    return reason is not None and reason.strip().startswith(REASON_PREFIX)
 
 
 def _describe(results: Sequence[CheckResult], lead: str = "") -> str:

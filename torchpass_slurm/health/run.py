@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from torchpass_slurm.errors import SourceError
 from torchpass_slurm.health.checks import CheckResult, Status, run_checks, worst
@@ -93,7 +93,7 @@ class _Bounded(Generic[T]):
             raise TimeoutError
         if self._error is not None:
             raise self._error
-        return self._value  # type: ignore[return-value]
+        return cast(T, self._value)  # fn() returned it: the thread ended without an error
 
 
 def local_node_name() -> str:

@@ -73,8 +73,11 @@ def next_samples(facts: Facts, config: HealthConfig) -> dict[str, EccSample]:
         if gpu.ecc_corrected is None:
             continue
         before = samples.get(gpu.uuid)
-        stale = before is None or facts.time - before.time >= config.ecc_rate_window_s
-        if stale or gpu.ecc_corrected < before.ecc_corrected:  # type: ignore[union-attr]
+        if (
+            before is None
+            or facts.time - before.time >= config.ecc_rate_window_s
+            or gpu.ecc_corrected < before.ecc_corrected
+        ):
             samples[gpu.uuid] = EccSample(gpu.uuid, gpu.ecc_corrected, facts.time)
     return samples
 

@@ -167,9 +167,10 @@ def _numpy_rng_to_tensor() -> Any | None:
         return None
     import torch
 
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    if name != "MT19937":  # pragma: no cover - numpy's legacy RNG is always MT19937
+    state = np.random.get_state()  # a tuple for the legacy MT19937 generator, else a dict
+    if not isinstance(state, tuple) or state[0] != "MT19937":  # pragma: no cover - it is always MT19937
         return None
+    _, keys, pos, has_gauss, cached = state
     cached_bits = np.array([cached], dtype=np.float64).view(np.int64)
     return torch.tensor(np.concatenate([keys.astype(np.int64), [pos, has_gauss], cached_bits]))
 

@@ -234,9 +234,9 @@ class ElasticTrainer:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            body = self.rt.wait_reconfigure(datetime.timedelta(seconds=min(left, 0.5)))
-            if body is not None:
-                self._pending.append(body)
+            got = self.rt.wait_reconfigure(datetime.timedelta(seconds=min(left, 0.5)))
+            if got is not None:
+                self._pending.append(got)
 
     def _switch_planned(self, epoch: int) -> None:
         """A planned migration (an admin drain): leave, or move to the epoch, after this step."""

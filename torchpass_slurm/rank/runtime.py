@@ -44,7 +44,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, Protocol
 
 from torchpass_slurm.config import (
@@ -82,16 +82,18 @@ OUTBOX_SLICE_S = 0.05
 
 
 class Message(Protocol):
-    """A received control message (what the control client returns)."""
+    """A received control message (what the control client returns); read-only."""
 
-    kind: str
-    body: dict[str, Any]
+    @property
+    def kind(self) -> str: ...
+    @property
+    def body(self) -> Mapping[str, Any]: ...
 
 
 class ControlClientLike(Protocol):
     """What the runtime needs from :class:`torchpass_slurm.control.client.ControlClient`."""
 
-    def send(self, kind: str, body: dict[str, Any]) -> None: ...
+    def send(self, kind: str, body: dict[str, Any]) -> object: ...
 
     def recv(self, timeout: datetime.timedelta) -> Message | None: ...
 
@@ -171,12 +173,15 @@ class _Heartbeat(threading.Thread):
 # --- the runtime ------------------------------------------------------------------
 
 
-class _RankAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
+class _RankAdapter(logging.LoggerAdapter):
     """Prefixes every line with ``[job/rank/epoch/step]``."""
 
+    def __init__(self, logger: logging.Logger, runtime: Runtime) -> None:
+        super().__init__(logger, {"runtime": runtime})
+        self.runtime = runtime
+
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
-        rt: Runtime = self.extra["runtime"]  # type: ignore[index]
-        return f"[{rt.tag}] {msg}", kwargs
+        return f"[{self.runtime.tag}] {msg}", kwargs
 
 
 class Runtime:
@@ -195,7 +200,7 @@ class Runtime:
         self.state = "starting"
         self.is_spare_promoted = False
         self.stop_requested = threading.Event()
-        self.log = _RankAdapter(logger, {"runtime": self})
+        self.log = _RankAdapter(logger, self)
         self._environ = environ
         self._client = client
         self._config = config or SupervisorConfig()

@@ -124,10 +124,12 @@ class Manifest:
                 f"{', '.join(sorted(DIGESTS))}",
                 hint="donor and receiver must run the same torchpass-slurm version",
             )
-        numbers = {k: doc.get(k) for k in ("total_bytes", "chunk_bytes", "n_chunks")}
-        for key, value in numbers.items():
+        numbers: dict[str, int] = {}
+        for key in ("total_bytes", "chunk_bytes", "n_chunks"):
+            value = doc.get(key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise TransferError(f"the state manifest's {key} is {value!r}, expected a non-negative int")
+            numbers[key] = value
         entries: list[TensorEntry] = []
         _check_tree(doc.get("tree"), "", entries)
         manifest = cls(
@@ -255,7 +257,7 @@ def _check_tensor_node(node: dict[str, Any], path: str) -> TensorEntry:
         and isinstance(nbytes, int)
     ):
         raise TransferError(f"the state manifest has a malformed tensor at {path}: {node!r:.120}")
-    if dtype_of(dtype) is None:
+    if not isinstance(dtype, str) or dtype_of(dtype) is None:
         raise TransferError(f"the state manifest has an unknown dtype {dtype!r} at {path}")
     return TensorEntry(path, dtype, tuple(shape), offset, nbytes)
 

@@ -117,7 +117,7 @@ class SocketTransport(AsyncTransport):
     def _io(self, op: str, buf: torch.Tensor, timeout: timedelta) -> None:
         if buf.device.type != "cpu":
             raise TypeError(f"SocketTransport needs CPU buffers, got one on {buf.device}")
-        view = memoryview(buf.numpy()).cast("B")
+        view = buf.numpy().data.cast("B")
         deadline = time.monotonic() + seconds(timeout)
         poller = select.poll()
         poller.register(self.sock, select.POLLOUT if op == "send" else select.POLLIN)

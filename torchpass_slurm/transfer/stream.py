@@ -226,7 +226,7 @@ class _ChunkSender:
         data = None if corrupt else self.cmap.direct(index)
         if data is None:
             data = self.cmap.gather(index, self.staging[slot])
-        self.digests[slot].numpy()[:] = memoryview(self.digest(memoryview(data.numpy())))
+        self.digests[slot].numpy()[:] = memoryview(self.digest(data.numpy().data))
         if corrupt and data.numel():
             logger.warning("test hook: corrupting chunk %d after its digest", index)
             data[0] ^= 0xFF
@@ -394,7 +394,7 @@ class _ChunkReceiver:
         _wait_both(handles, self.timeout)
         self.stats.chunks += 1
         self.stats.bytes += data.numel()
-        good = self.digest(memoryview(data.numpy())) == bytes(self.digests[slot].numpy())
+        good = self.digest(data.numpy().data) == bytes(self.digests[slot].numpy())
         if good:
             if staged:
                 self.cmap.scatter(index, data)
