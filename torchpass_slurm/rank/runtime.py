@@ -43,9 +43,8 @@ import logging
 import os
 import queue
 import threading
-import time
-from collections.abc import Callable, Mapping, MutableMapping
-from typing import Any, Protocol
+from collections.abc import MutableMapping
+from typing import Any
 
 from torchpass_slurm.config import (
     ENV_CONTROL,
@@ -56,7 +55,14 @@ from torchpass_slurm.config import (
 )
 from torchpass_slurm.control.bodies import Promote, Reconfigure
 from torchpass_slurm.control.messages import Kind, ReportKind
-from torchpass_slurm.errors import ConfigError, ControlPlaneError, RendezvousTimeout
+from torchpass_slurm.errors import ControlPlaneError
+from torchpass_slurm.rank.link import (
+    ClientFactory,
+    ControlClientLike,
+    Heartbeat,
+    Message,
+    connect_control,
+)
 from torchpass_slurm.rank.rankinfo import (
     RankInfo,
     Role,
@@ -67,8 +73,9 @@ from torchpass_slurm.rank.rankinfo import (
     promoted_rank_info,
     role_from_env,
 )
+from torchpass_slurm.rank.rendezvous import EpochRendezvous, destroy_group, make_tcp_store
 
-__all__ = ["init", "Runtime", "Role", "RankInfo", "ControlClientLike", "DEFAULT_PG_TIMEOUT"]
+__all__ = ["init", "Runtime", "Role", "RankInfo", "ControlClientLike", "DEFAULT_PG_TIMEOUT", "make_tcp_store"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,97 +84,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_PG_TIMEOUT = datetime.timedelta(minutes=5)
 #: How long :meth:`Runtime.close` waits for the heartbeat thread to say bye.
 CLOSE_TIMEOUT = datetime.timedelta(seconds=10)
-#: The heartbeat thread wakes this often to send queued reports promptly (seconds).
-OUTBOX_SLICE_S = 0.05
-
-
-class Message(Protocol):
-    """A received control message (what the control client returns); read-only."""
-
-    @property
-    def kind(self) -> str: ...
-    @property
-    def body(self) -> Mapping[str, Any]: ...
-
-
-class ControlClientLike(Protocol):
-    """What the runtime needs from :class:`torchpass_slurm.control.client.ControlClient`."""
-
-    def send(self, kind: str, body: dict[str, Any]) -> object: ...
-
-    def recv(self, timeout: datetime.timedelta) -> Message | None: ...
-
-    def close(self) -> None: ...
-
-
-#: Makes a connected client: (endpoint, secret file, sender id) -> client.
-ClientFactory = Callable[[str, str, str], ControlClientLike]
-
-
-# --- the one place that knows the control package --------------------------------
-
-
-def connect_control(endpoint: str, secret_file: str, sender: str) -> ControlClientLike:
-    """Connect to the supervisor's control plane (the real client; imports zmq)."""
-    from pathlib import Path
-
-    from torchpass_slurm.control.client import ControlClient
-    from torchpass_slurm.control.secret import load_secret
-
-    return ControlClient(endpoint, load_secret(Path(secret_file)), sender)
-
-
-# --- heartbeat thread -------------------------------------------------------------
-
-
-class _Heartbeat(threading.Thread):
-    """Owns the control client once started: heartbeats, incoming messages, bye."""
-
-    def __init__(self, runtime: Runtime, client: ControlClientLike, interval: float) -> None:
-        super().__init__(name="torchpass-heartbeat", daemon=True)
-        self._rt = runtime
-        self._client = client
-        self._interval = datetime.timedelta(seconds=interval)
-        self.closing = threading.Event()
-
-    def run(self) -> None:
-        try:
-            next_beat = 0.0
-            while not self.closing.is_set():
-                now = time.monotonic()
-                if now >= next_beat:
-                    self._send(Kind.HEARTBEAT, self._rt._beat_body())
-                    next_beat = now + self._interval.total_seconds()
-                self._flush_outbox()
-                msg = self._recv(min(OUTBOX_SLICE_S, max(0.0, next_beat - now)))
-                if msg is not None:
-                    self._rt._on_message(msg)
-            self._flush_outbox()
-            self._send(Kind.BYE, self._rt._beat_body(state="done"))
-        finally:
-            self._client.close()
-
-    def _flush_outbox(self) -> None:
-        while True:
-            try:
-                kind, body = self._rt.outbox.get_nowait()
-            except queue.Empty:
-                return
-            self._send(kind, body)
-
-    def _send(self, kind: str, body: dict[str, Any]) -> None:
-        try:
-            self._client.send(kind, body)
-        except ControlPlaneError as exc:  # keep training; the supervisor judges missing heartbeats
-            self._rt.log.warning("could not send %s to the supervisor: %s", kind, exc)
-
-    def _recv(self, seconds: float) -> Message | None:
-        try:
-            return self._client.recv(datetime.timedelta(seconds=seconds))
-        except ControlPlaneError as exc:
-            self._rt.log.warning("control plane receive failed: %s", exc)
-            self.closing.wait(self._interval.total_seconds())
-            return None
 
 
 # --- the runtime ------------------------------------------------------------------
@@ -190,8 +106,15 @@ class Runtime:
     Make one with :func:`init` (or :meth:`from_env` then :meth:`start`).
     """
 
-    def __init__(self, role: Role, info: RankInfo | None, *, environ: MutableMapping[str, str],
-                 client: ControlClientLike | None = None, config: SupervisorConfig | None = None) -> None:
+    def __init__(
+        self,
+        role: Role,
+        info: RankInfo | None,
+        *,
+        environ: MutableMapping[str, str],
+        client: ControlClientLike | None = None,
+        config: SupervisorConfig | None = None,
+    ) -> None:
         self.role = role
         self.info = info
         self.job_id = environ.get(ENV_JOB_ID) or environ.get("SLURM_JOB_ID") or "-"
@@ -204,22 +127,26 @@ class Runtime:
         self._environ = environ
         self._client = client
         self._config = config or SupervisorConfig()
-        self._heartbeat: _Heartbeat | None = None
+        self._heartbeat: Heartbeat | None = None
         #: messages for the supervisor, sent by the heartbeat thread
         self.outbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         #: reconfigure messages from the supervisor, for the training thread
         self.reconfigures: queue.Queue[Reconfigure] = queue.Queue()
         #: the promote message, for a promoted spare
         self.promotion: Promote | None = None
-        self._tcp_store: Any = None
+        self._rendezvous = EpochRendezvous(self.log)
         self._health: Any = None
 
     # -- construction --
 
     @classmethod
-    def from_env(cls, environ: MutableMapping[str, str] | None = None, *,
-                 client_factory: ClientFactory | None = None,
-                 config: SupervisorConfig | None = None) -> Runtime:
+    def from_env(
+        cls,
+        environ: MutableMapping[str, str] | None = None,
+        *,
+        client_factory: ClientFactory | None = None,
+        config: SupervisorConfig | None = None,
+    ) -> Runtime:
         """Read the environment and connect (no message sent yet, never blocks)."""
         env = os.environ if environ is None else environ
         role = role_from_env(env)
@@ -247,10 +174,17 @@ class Runtime:
             self._start_heartbeat()
             from torchpass_slurm.health.agent import HealthAgent
 
-            self._health = HealthAgent.maybe_start(self.report, node=self.node,
-                                                   local_rank=self.info.local_rank)
-        self.log.info("%s rank %d of %d (local %d of %d)", self.role.value, self.rank, self.world_size,
-                      self.info.local_rank, self.info.local_world_size)
+            self._health = HealthAgent.maybe_start(
+                self.report, node=self.node, local_rank=self.info.local_rank
+            )
+        self.log.info(
+            "%s rank %d of %d (local %d of %d)",
+            self.role.value,
+            self.rank,
+            self.world_size,
+            self.info.local_rank,
+            self.info.local_world_size,
+        )
         return self
 
     # -- public API --
@@ -286,8 +220,12 @@ class Runtime:
         """Record the step this rank has reached; the next heartbeat carries it."""
         self.step = step
 
-    def init_process_group(self, backend: str = "gloo", timeout: datetime.timedelta = DEFAULT_PG_TIMEOUT,
-                           rendezvous_timeout: datetime.timedelta | None = None) -> None:
+    def init_process_group(
+        self,
+        backend: str = "gloo",
+        timeout: datetime.timedelta = DEFAULT_PG_TIMEOUT,
+        rendezvous_timeout: datetime.timedelta | None = None,
+    ) -> None:
         """Initialize torch.distributed for this rank's epoch.
 
         Under tp run the group meets in the supervisor's store under the prefix
@@ -296,58 +234,29 @@ class Runtime:
         ``timeout`` bounds every collective; ``rendezvous_timeout`` (default:
         the same) how long to wait for every rank to arrive.
         """
-        info = self._info()
-        import torch.distributed as dist
+        self._rendezvous.join(self._info(), backend, timeout, rendezvous_timeout)
 
-        if info.store_addr and info.store_port:
-            wait = rendezvous_timeout or timeout
-            store = dist.PrefixStore(f"epoch{info.epoch}", self._store(info, max(wait, timeout)))
-            self._await_all_ranks(store, info, wait)
-            dist.init_process_group(backend=backend, store=store, rank=info.rank,
-                                    world_size=info.world_size, timeout=timeout)
-            self.log.info("process group up: backend=%s store=%s:%s epoch %d", backend,
-                          info.store_addr, info.store_port, info.epoch)
-            return
-        if info.world_size > 1 and (not info.master_addr or info.master_port is None):
-            raise ConfigError("MASTER_ADDR/MASTER_PORT are not set for a world of "
-                              f"{info.world_size} ranks", hint="export them (the sbatch examples show how)")
-        dist.init_process_group(backend=backend, init_method="env://", rank=info.rank,
-                                world_size=info.world_size, timeout=timeout)
-        self.log.info("process group up: backend=%s master=%s:%s", backend, info.master_addr,
-                      info.master_port)
-
-    def _await_all_ranks(self, store: Any, info: RankInfo, wait: datetime.timedelta) -> None:
-        """Count in at the epoch's store and wait (polling) until every rank has.
-
-        Kept apart from the group's own rendezvous, whose timeout is also the
-        collective timeout: a rank that is still stuck in the old epoch's
-        collective may take that long to arrive.
-        """
-        store.add("torchpass/joined", 1)
-        deadline = time.monotonic() + wait.total_seconds()
-        while (joined := store.add("torchpass/joined", 0)) < info.world_size:
-            if time.monotonic() > deadline:
-                raise RendezvousTimeout(f"rendezvous of epoch {info.epoch} timed out after {wait}: "
-                                        f"{joined} of {info.world_size} ranks arrived")
-            time.sleep(0.05)
-
-    def rejoin(self, body: Reconfigure, backend: str = "gloo",
-               timeout: datetime.timedelta = DEFAULT_PG_TIMEOUT,
-               rendezvous_timeout: datetime.timedelta | None = None) -> None:
+    def rejoin(
+        self,
+        body: Reconfigure,
+        backend: str = "gloo",
+        timeout: datetime.timedelta = DEFAULT_PG_TIMEOUT,
+        rendezvous_timeout: datetime.timedelta | None = None,
+    ) -> None:
         """Drop the broken process group and build the one of a reconfigure message's epoch."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except RuntimeError as exc:  # a group broken by a dead peer may complain; it is gone anyway
-                self.log.debug("destroying the old group: %r", exc)
+        destroy_group(self.log)
         info = self._info()
-        self.info = RankInfo(rank=info.rank, world_size=body.world_size,
-                             local_rank=info.local_rank, local_world_size=info.local_world_size,
-                             master_addr=info.master_addr, master_port=info.master_port,
-                             epoch=body.epoch, store_addr=body.store_addr,
-                             store_port=body.store_port)
+        self.info = RankInfo(
+            rank=info.rank,
+            world_size=body.world_size,
+            local_rank=info.local_rank,
+            local_world_size=info.local_world_size,
+            master_addr=info.master_addr,
+            master_port=info.master_port,
+            epoch=body.epoch,
+            store_addr=body.store_addr,
+            store_port=body.store_port,
+        )
         self.init_process_group(backend, timeout, rendezvous_timeout)
 
     def report(self, event: ReportKind, **fields: Any) -> None:
@@ -364,13 +273,6 @@ class Runtime:
             return self.reconfigures.get(timeout=timeout.total_seconds())
         except queue.Empty:
             return None
-
-    def _store(self, info: RankInfo, timeout: datetime.timedelta) -> Any:
-        """One client connection to the job's store, reused by every epoch."""
-        if self._tcp_store is None:
-            self._tcp_store = make_tcp_store(str(info.store_addr), int(info.store_port or 0),
-                                             is_master=False, timeout=timeout)
-        return self._tcp_store
 
     def close(self) -> None:
         """Stop the health agent, say bye to the supervisor and stop the heartbeat thread (idempotent)."""
@@ -399,8 +301,10 @@ class Runtime:
 
     def _info(self) -> RankInfo:
         if self.info is None:
-            raise ControlPlaneError("this spare has not been promoted yet; it has no rank",
-                                    hint="call runtime.init() (or Runtime.start()) before using the rank")
+            raise ControlPlaneError(
+                "this spare has not been promoted yet; it has no rank",
+                hint="call runtime.init() (or Runtime.start()) before using the rank",
+            )
         return self.info
 
     def _send(self, kind: str, body: dict[str, Any]) -> None:
@@ -409,17 +313,34 @@ class Runtime:
 
     def _hello_body(self) -> dict[str, Any]:
         info = self._info()
-        return {"node": self.node, "rank": info.rank, "local_rank": info.local_rank,
-                "role": Role.ACTIVE.value, "pid": os.getpid(), "world_size": info.world_size,
-                "epoch": info.epoch, "promoted": self.is_spare_promoted}
+        return {
+            "node": self.node,
+            "rank": info.rank,
+            "local_rank": info.local_rank,
+            "role": Role.ACTIVE.value,
+            "pid": os.getpid(),
+            "world_size": info.world_size,
+            "epoch": info.epoch,
+            "promoted": self.is_spare_promoted,
+        }
 
     def _beat_body(self, state: str | None = None) -> dict[str, Any]:
-        return {"rank": self.info.rank if self.info is not None else None,
-                "step": self.step, "state": state or self.state}
+        return {
+            "rank": self.info.rank if self.info is not None else None,
+            "step": self.step,
+            "state": state or self.state,
+        }
 
     def _start_heartbeat(self) -> None:
         assert self._client is not None
-        hb = _Heartbeat(self, self._client, self._config.heartbeat_interval)
+        hb = Heartbeat(
+            self._client,
+            self._config.heartbeat_interval,
+            beat=self._beat_body,
+            on_message=self._on_message,
+            outbox=self.outbox,
+            log=self.log,
+        )
         self._heartbeat, self._client = hb, None  # the thread owns the client from here on
         hb.start()
 
@@ -438,8 +359,14 @@ class Runtime:
 
     def _wait_for_promotion(self, timeout: datetime.timedelta | None) -> None:
         self.state = "standby"
-        self._send(Kind.STANDBY, {"node": self.node, "pid": os.getpid(),
-                                  "local_rank": _int(self._environ, "SLURM_LOCALID", default=0)})
+        self._send(
+            Kind.STANDBY,
+            {
+                "node": self.node,
+                "pid": os.getpid(),
+                "local_rank": _int(self._environ, "SLURM_LOCALID", default=0),
+            },
+        )
         self.log.info("standby: waiting for promote or stop")
         interval = datetime.timedelta(seconds=self._config.heartbeat_interval)
         waited = datetime.timedelta(0)
@@ -459,8 +386,10 @@ class Runtime:
                 self._exit_on_stop(msg)
             else:
                 self.log.warning("ignoring unexpected %r message in standby", msg.kind)
-        raise ControlPlaneError(f"no promote or stop message within {timeout} of standby",
-                                hint="is the supervisor (tp run) still alive?")
+        raise ControlPlaneError(
+            f"no promote or stop message within {timeout} of standby",
+            hint="is the supervisor (tp run) still alive?",
+        )
 
     def _exit_on_stop(self, msg: Message) -> None:
         self.log.info("stopped in standby: %s", msg.body)
@@ -472,26 +401,16 @@ class Runtime:
         return f"Runtime(role={self.role.value}, info={self.info}, promoted={self.is_spare_promoted})"
 
 
-def make_tcp_store(host: str, port: int, *, is_master: bool, timeout: datetime.timedelta) -> Any:
-    """A torch TCPStore without libuv (Debian's torch is built without it)."""
-    import torch.distributed as dist
-
-    kwargs: dict[str, Any] = {"is_master": is_master, "timeout": timeout}
-    if is_master:
-        kwargs["wait_for_workers"] = False
-    try:
-        return dist.TCPStore(host, port, use_libuv=False, **kwargs)
-    except TypeError:  # a torch that predates use_libuv
-        return dist.TCPStore(host, port, **kwargs)
-
-
-def init(environ: MutableMapping[str, str] | None = None, *,
-         client_factory: ClientFactory | None = None, config: SupervisorConfig | None = None,
-         standby_timeout: datetime.timedelta | None = None) -> Runtime:
+def init(
+    environ: MutableMapping[str, str] | None = None,
+    *,
+    client_factory: ClientFactory | None = None,
+    config: SupervisorConfig | None = None,
+    standby_timeout: datetime.timedelta | None = None,
+) -> Runtime:
     """Join the job as described by the environment; see the module docstring.
 
     A spare blocks here until promoted; a spare told to stop exits the process
     with status 0.
     """
     return Runtime.from_env(environ, client_factory=client_factory, config=config).start(standby_timeout)
-

@@ -35,6 +35,7 @@ from torchpass_slurm.control.server import ControlServer
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.faults import Detector, Fault, RecoveryPolicy
 from torchpass_slurm.slurm import SlurmBackend
+from torchpass_slurm.supervisor.completion import Completion
 from torchpass_slurm.supervisor.detect import Detectors
 from torchpass_slurm.supervisor.execute import Executor
 from torchpass_slurm.supervisor.membership import Membership
@@ -117,6 +118,7 @@ class Supervisor:
             clock=clock,
             store=store,
         )
+        self.completion = Completion(self.job, events=events, clock=clock)
         #: objects that must live as long as the supervisor (the rendezvous store)
         self.keepalive: Any = None
         self._next_status = 0.0
@@ -150,7 +152,7 @@ class Supervisor:
         try:
             while not job.state.ended:
                 self._pump(POLL_SLICE)
-                self.executor.advance()
+                self.executor.orders.advance()
                 self._reap()
                 faults = self.detectors.detect()
                 if faults:
@@ -198,7 +200,7 @@ class Supervisor:
                 continue
             if node in self.job.releasing:
                 step.state = WorkerState.EXITED
-                self.executor.release(node)
+                self.executor.allocation.release(node)
             elif rc == 0 and step.role == "active":
                 step.state = WorkerState.EXITED
                 self.events.append(ev.STEP_EXITED, node=node, exit_code=0)
@@ -260,11 +262,11 @@ class Supervisor:
         elif kind in RANK_EVENTS:
             self.events.append(kind, node=node, **fields)
             if kind == ReportKind.AGREEMENT:
-                self.executor.agreed(report.epoch, int(fields["committed_step"]))
+                self.completion.agreed(report.epoch, int(fields["committed_step"]))
             elif kind == ReportKind.FIRST_STEP:
-                self.executor.first_step(fields)
+                self.completion.first_step(fields)
         elif kind == ReportKind.RESUMED:
-            self.executor.resumed(fields)
+            self.completion.resumed(fields)
         elif kind == ReportKind.HEALTH_WARNING:
             self._health_warning(node, fields)
 

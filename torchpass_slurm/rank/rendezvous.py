@@ -1,0 +1,119 @@
+"""Where an epoch's process group meets: the supervisor's store, or ``env://``.
+
+Under ``tp run`` every epoch's group meets in the job's ``TCPStore`` (hosted
+by the supervisor, ``TORCHPASS_STORE``) under the prefix ``epoch<N>``, so a
+later epoch can be built by the same processes; every rank first counts in
+and waits for the others (:meth:`EpochRendezvous.join`), with a timeout of
+its own. Elsewhere the group meets at ``MASTER_ADDR:MASTER_PORT``. torch is
+imported only when a group is built.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from typing import Any
+
+from torchpass_slurm.errors import ConfigError, RendezvousTimeout
+from torchpass_slurm.rank.rankinfo import RankInfo
+
+__all__ = ["EpochRendezvous", "destroy_group", "make_tcp_store"]
+
+#: How often a rank that counted in polls the store for the others (seconds).
+POLL_S = 0.05
+
+
+class EpochRendezvous:
+    """One rank's way into each epoch's group; the store connection is reused by every epoch."""
+
+    def __init__(self, log: logging.LoggerAdapter[logging.Logger]) -> None:
+        self.log = log
+        self._store: Any = None
+
+    def join(
+        self,
+        info: RankInfo,
+        backend: str,
+        timeout: datetime.timedelta,
+        rendezvous_timeout: datetime.timedelta | None = None,
+    ) -> None:
+        """Build ``info``'s group: ``timeout`` bounds every collective, ``rendezvous_timeout``
+        (default: the same) how long to wait for every rank to arrive."""
+        import torch.distributed as dist
+
+        if info.store_addr and info.store_port:
+            wait = rendezvous_timeout or timeout
+            store = dist.PrefixStore(f"epoch{info.epoch}", self._client(info, max(wait, timeout)))
+            _await_all_ranks(store, info, wait)
+            dist.init_process_group(
+                backend=backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
+            )
+            self.log.info(
+                "process group up: backend=%s store=%s:%s epoch %d",
+                backend,
+                info.store_addr,
+                info.store_port,
+                info.epoch,
+            )
+            return
+        if info.world_size > 1 and (not info.master_addr or info.master_port is None):
+            raise ConfigError(
+                f"MASTER_ADDR/MASTER_PORT are not set for a world of {info.world_size} ranks",
+                hint="export them (the sbatch examples show how)",
+            )
+        dist.init_process_group(
+            backend=backend, init_method="env://", rank=info.rank, world_size=info.world_size, timeout=timeout
+        )
+        self.log.info(
+            "process group up: backend=%s master=%s:%s", backend, info.master_addr, info.master_port
+        )
+
+    def _client(self, info: RankInfo, timeout: datetime.timedelta) -> Any:
+        if self._store is None:
+            self._store = make_tcp_store(
+                str(info.store_addr), int(info.store_port or 0), is_master=False, timeout=timeout
+            )
+        return self._store
+
+
+def _await_all_ranks(store: Any, info: RankInfo, wait: datetime.timedelta) -> None:
+    """Count in at the epoch's store and wait (polling) until every rank has.
+
+    Kept apart from the group's own rendezvous, whose timeout is also the
+    collective timeout: a rank that is still stuck in the old epoch's
+    collective may take that long to arrive.
+    """
+    store.add("torchpass/joined", 1)
+    deadline = time.monotonic() + wait.total_seconds()
+    while (joined := store.add("torchpass/joined", 0)) < info.world_size:
+        if time.monotonic() > deadline:
+            raise RendezvousTimeout(
+                f"rendezvous of epoch {info.epoch} timed out after {wait}: "
+                f"{joined} of {info.world_size} ranks arrived"
+            )
+        time.sleep(POLL_S)
+
+
+def destroy_group(log: logging.LoggerAdapter[logging.Logger]) -> None:
+    """Destroy the current process group, if any; a group broken by a dead peer may complain."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except RuntimeError as exc:  # torch's errors (DistError too) are RuntimeErrors; it is gone anyway
+            log.debug("destroying the old group: %r", exc)
+
+
+def make_tcp_store(host: str, port: int, *, is_master: bool, timeout: datetime.timedelta) -> Any:
+    """A torch TCPStore without libuv (Debian's torch is built without it)."""
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {"is_master": is_master, "timeout": timeout}
+    if is_master:
+        kwargs["wait_for_workers"] = False
+    try:
+        return dist.TCPStore(host, port, use_libuv=False, **kwargs)
+    except TypeError:  # a torch that predates use_libuv
+        return dist.TCPStore(host, port, **kwargs)

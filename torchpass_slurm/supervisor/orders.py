@@ -1,0 +1,132 @@
+"""Orders: what the supervisor tells the workers, and the promotions that wait for a spare.
+
+Every message the supervisor sends goes through :meth:`Orders.send`, best
+effort: a worker that is gone is found by the detectors, not here. A
+promotion is sent once every task of the spare's step said ``standby`` (at
+once if they had), or when its step ended, or after ``startup_timeout``; the
+loop calls :meth:`Orders.advance` on every pass, so nothing waits.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from torchpass_slurm.config import SupervisorConfig
+from torchpass_slurm.control.bodies import Promote, PromoteMode, Reconfigure, Stop
+from torchpass_slurm.control.messages import Kind
+from torchpass_slurm.control.server import ControlServer
+from torchpass_slurm.errors import ControlPlaneError
+from torchpass_slurm.supervisor.state import Clock, JobState
+from torchpass_slurm.supervisor.workers import WorkerState, master_port
+
+__all__ = ["Orders"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Promotion:
+    """A spare to promote once every task of its step is on standby, or at ``deadline``."""
+
+    mode: PromoteMode
+    deadline: float
+
+
+class Orders:
+    """The supervisor's messages to the workers of one job; see the module docstring."""
+
+    def __init__(
+        self,
+        job: JobState,
+        *,
+        server: ControlServer,
+        config: SupervisorConfig,
+        clock: Clock,
+        store: tuple[str, int],
+    ) -> None:
+        self.job = job
+        self.server = server
+        self.config = config
+        self.clock = clock
+        self.store_addr, self.store_port = store
+        self._promotions: dict[str, _Promotion] = {}
+
+    def promote(self, node: str, mode: PromoteMode) -> None:
+        """Promote the spare once its step is on standby (now, if it already is)."""
+        deadline = self.clock.monotonic() + self.config.startup_timeout
+        self._promotions[node] = _Promotion(mode, deadline)
+        self.advance()
+
+    def cancel(self, node: str) -> None:
+        """Forget a promotion that waits for ``node`` (its step was lost)."""
+        self._promotions.pop(node, None)
+
+    def advance(self) -> None:
+        """Send the promotions whose spares are ready (or whose wait is over)."""
+        now = self.clock.monotonic()
+        for node, pending in list(self._promotions.items()):
+            step = self.job.steps[node]
+            if step.all_standby() or step.poll() is not None or now >= pending.deadline:
+                del self._promotions[node]
+                self._send_promote(node, pending.mode)
+
+    def _send_promote(self, node: str, mode: PromoteMode) -> None:
+        """Tell the spare's standby tasks their ranks; its step starts as an active one."""
+        step, m = self.job.steps[node], self.job.membership
+        step.role, step.epoch, step.state = "active", m.epoch, WorkerState.STARTING
+        step.heartbeats.clear()
+        step.hello_senders.clear()
+        step.started = self.clock.time()
+        for sender in sorted(step.standby_senders):
+            local = int(sender.rsplit("/", 1)[1])
+            body = Promote(
+                rank=m.rank_base(node) + local,
+                local_rank=local,
+                world_size=m.world_size,
+                master_addr=m.node_of_rank(0),
+                master_port=master_port(self.job.job_id, m.epoch),
+                epoch=m.epoch,
+                mode=mode,
+                store_addr=self.store_addr,
+                store_port=self.store_port,
+            )
+            self.send(sender, Kind.PROMOTE, body.to_body())
+
+    def reconfigure(self, nodes: list[str], *, leave: tuple[int, ...] | None = None) -> None:
+        """Tell the ranks on ``nodes`` to rebuild their group for the current epoch.
+
+        ``leave``: a planned migration; these ranks hand over and leave.
+        """
+        m = self.job.membership
+        body = Reconfigure(
+            epoch=m.epoch,
+            world_size=m.world_size,
+            store_addr=self.store_addr,
+            store_port=self.store_port,
+            planned=leave is not None,
+            leave=leave or (),
+        ).to_body()
+        for node in nodes:
+            step = self.job.steps[node]
+            step.epoch = m.epoch
+            for sender in sorted(step.hello_senders):
+                self.send(sender, Kind.RECONFIGURE, body)
+
+    def stop_standby(self, node: str, reason: str) -> None:
+        """Tell every standby task of ``node``'s step to leave."""
+        step = self.job.steps.get(node)
+        for sender in step.standby_senders if step is not None else ():
+            self.send(sender, Kind.STOP, Stop(reason).to_body())
+
+    def send(self, sender: str, kind: Kind, body: dict[str, Any]) -> None:
+        """Best effort: a worker that is gone is found by the detectors, not here."""
+        peer = self.server.peer_of(sender)
+        if peer is None:
+            logger.warning("cannot send %s to %s: never connected", kind, sender)
+            return
+        try:
+            self.server.send(peer, kind, body)
+        except ControlPlaneError as err:
+            logger.warning("cannot send %s to %s: %s", kind, sender, err)
