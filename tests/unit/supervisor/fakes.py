@@ -30,7 +30,8 @@ from typing import Any
 
 from torchpass_slurm import config as cfg
 from torchpass_slurm.control import messages as msg
-from torchpass_slurm.control.messages import Message, encode
+from torchpass_slurm.control.bodies import Report
+from torchpass_slurm.control.messages import Message, ReportKind, encode
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.slurm.models import Job, Node
 from torchpass_slurm.supervisor.workers import StepLauncher, WorkerStep
@@ -332,15 +333,15 @@ class World:
             self.current[node].process.ignores_sigterm = True
         self.at(at, die)
 
-    def report(self, node: str, event: str, *, at: float, local: int = 0, **fields: Any) -> None:
+    def report(self, node: str, event: ReportKind | str, *, at: float, local: int = 0, **fields: Any) -> None:
         """At ``at``, task ``local`` of the node's step then current sends a REPORT."""
         self.at(at, lambda: self.send_report(self.current[node], f"{node}/{local}", event, **fields))
 
-    def send_report(self, sim: SimStep, sender: str, event: str, **fields: Any) -> None:
+    def send_report(self, sim: SimStep, sender: str, event: ReportKind | str, **fields: Any) -> None:
         """What ``Runtime.report`` sends (its rank added); a dead or silent step sends nothing."""
         if sim.process.poll() is not None or sim.node in self.silent or sim.node != sender.split("/")[0]:
             return
-        body = {"event": event, "fields": {"rank": self.rank_of(sim, sender), **fields}}
+        body = Report(ReportKind(event), {"rank": self.rank_of(sim, sender), **fields}).to_body()
         self.server.inject(sim.peers[sender], sender, msg.REPORT, body)
 
     def sim_of(self, peer: bytes) -> SimStep:
@@ -461,7 +462,7 @@ class ElasticRanks:
             for sim in stuck:
                 if sim.node in reporters:
                     for sender in sim.peers:
-                        self.world.send_report(sim, sender, "collective_failed", step=sim.held,
+                        self.world.send_report(sim, sender, ReportKind.COLLECTIVE_FAILED, step=sim.held,
                                                error=GLOO_RESET, epoch=sim.epoch)
         self.world.at(at, fail)
 
@@ -475,7 +476,7 @@ class ElasticRanks:
         if sim.role != "active" or not self._elastic(sim.node):
             return
         for sender in sim.peers:
-            self.world.send_report(sim, sender, "live_ready", step=0, epoch=sim.epoch)
+            self.world.send_report(sim, sender, ReportKind.LIVE_READY, step=0, epoch=sim.epoch)
         epoch = self._live_spares.pop(sim.node, None)
         if epoch is not None:
             for sender in sim.peers:
@@ -496,7 +497,7 @@ class ElasticRanks:
 
             def rejoin() -> None:
                 sim.epoch = epoch
-                self.world.send_report(sim, sender, "group_rebuilt", seconds=self.delay, epoch=epoch)
+                self.world.send_report(sim, sender, ReportKind.GROUP_REBUILT, seconds=self.delay, epoch=epoch)
                 self._join(epoch, sim, sender, sim.step_at(self.world.clock.elapsed))
             self._later(rejoin)
         elif message.kind == msg.PROMOTE and body["mode"] == "live":
@@ -505,7 +506,7 @@ class ElasticRanks:
 
     def _leave(self, sim: SimStep, sender: str, epoch: int) -> None:
         """A rank of a drained node hands over and leaves; the step ends once all its tasks left."""
-        self.world.send_report(sim, sender, "released", step=sim.held, epoch=epoch)
+        self.world.send_report(sim, sender, ReportKind.RELEASED, step=sim.held, epoch=epoch)
         sim.stopped.add(sender)
         if len(sim.stopped) == len(sim.peers):
             sim.process.exit(0)
@@ -526,16 +527,16 @@ class ElasticRanks:
         receivers = sorted(r for r, (_, _, step) in ranks.items() if step < top)
         agreed = top - self.agreed_lag
         sim0, sender0, _ = ranks[0]
-        self.world.send_report(sim0, sender0, "agreement", committed_step=agreed,
+        self.world.send_report(sim0, sender0, ReportKind.AGREEMENT, committed_step=agreed,
                                receivers=receivers, donors=donors, epoch=epoch)
         for i, rank in enumerate(receivers):
             sim, sender, _ = ranks[rank]
-            self.world.send_report(sim, sender, "transfer_done", donor=donors[i % len(donors)],
+            self.world.send_report(sim, sender, ReportKind.TRANSFER_DONE, donor=donors[i % len(donors)],
                                    receiver=rank, step=agreed, bytes=4096, seconds=0.1, retries=0,
                                    resumed_from=0, epoch=epoch)
 
         def first_step() -> None:
             for sim, _, _ in ranks.values():
                 sim.held = None
-            self.world.send_report(sim0, sender0, "first_step", step=agreed + 1, epoch=epoch)
+            self.world.send_report(sim0, sender0, ReportKind.FIRST_STEP, step=agreed + 1, epoch=epoch)
         self._later(first_step)
