@@ -6,6 +6,7 @@ Every wait in the package has a timeout defined here, named and documented.
 
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import dataclass, fields
 
@@ -22,6 +23,20 @@ ENV_JOB_ID = "TORCHPASS_JOB_ID"
 ENV_CONTROL = "TORCHPASS_CONTROL"
 ENV_NODE = "TORCHPASS_NODE"
 ENV_ROLE = "TORCHPASS_ROLE"
+
+
+class NodeRole(str, enum.Enum):
+    """A node's role in the job: the membership, ``TORCHPASS_ROLE`` (active | spare), status.json."""
+
+    ACTIVE = "active"  # holds logical ranks of the current epoch
+    SPARE = "spare"  # a hot spare in standby
+    FAILED = "failed"  # lost; its slot went to a spare
+    RELEASED = "released"  # drained: handed over, or being given back to Slurm
+
+    def __str__(self) -> str:
+        return self.value
+
+
 ENV_EPOCH = "TORCHPASS_EPOCH"
 ENV_RANK_BASE = "TORCHPASS_RANK_BASE"
 #: host:port of the job's rendezvous store (a TCPStore the supervisor hosts); every

@@ -6,11 +6,9 @@ import json
 
 import pytest
 
+from torchpass_slurm.config import NodeRole
 from torchpass_slurm.errors import ConfigError, MembershipError, NoSpareError
 from torchpass_slurm.supervisor.membership import (
-    ROLE_ACTIVE,
-    ROLE_FAILED,
-    ROLE_SPARE,
     Membership,
 )
 
@@ -31,7 +29,7 @@ def test_ranks_and_roles(m0: Membership) -> None:
     assert m0.ranks_of("n2") == range(4, 8)
     assert m0.rank_base("n3") == 8
     assert [m0.node_of_rank(r) for r in (0, 3, 4, 11)] == ["n1", "n1", "n2", "n3"]
-    assert (m0.role_of("n1"), m0.role_of("s2")) == (ROLE_ACTIVE, ROLE_SPARE)
+    assert (m0.role_of("n1"), m0.role_of("s2")) == (NodeRole.ACTIVE, NodeRole.SPARE)
 
 
 @pytest.mark.parametrize("rank", [-1, 12])
@@ -52,7 +50,7 @@ def test_replace_promotes_first_spare_into_the_failed_slot(m0: Membership) -> No
     assert (m1.epoch, m1.active, m1.spares, m1.failed) == (1, ("n1", "s1", "n3"), ("s2",), ("n2",))
     assert m1.ranks_of("s1") == m0.ranks_of("n2")
     assert m1.world_size == m0.world_size
-    assert m1.role_of("n2") == ROLE_FAILED
+    assert m1.role_of("n2") == NodeRole.FAILED
     assert m0.active == ("n1", "n2", "n3")  # the old membership is unchanged
 
 

@@ -77,6 +77,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchpass_slurm import events as ev
+from torchpass_slurm.config import NodeRole
 from torchpass_slurm.events import Event
 from torchpass_slurm.faults import FaultClass, Resolution
 
@@ -274,7 +275,7 @@ class _Reader:
 
     def _detection(self, event: Event) -> None:
         node = str(event.fields.get("node", ""))
-        if self.role_of(event) == "spare":
+        if self.role_of(event) == NodeRole.SPARE:
             self.spare_faults.setdefault(node, _spare_fault(event, event.kind))
             return
         if node in self.failed_nodes:  # the same fault, seen again
@@ -365,7 +366,7 @@ class _Reader:
         role = event.fields.get("role")
         if role is not None:
             return str(role)
-        return "spare" if event.fields.get("node") in self.spares else "active"
+        return NodeRole.SPARE if event.fields.get("node") in self.spares else NodeRole.ACTIVE
 
 
 #: Migration kind -> the _Recovery attribute it fills.

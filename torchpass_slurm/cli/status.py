@@ -19,7 +19,7 @@ import click
 from torchpass_slurm.analysis.rundir import find_run_dir
 from torchpass_slurm.cli.app import App, pass_app
 from torchpass_slurm.cli.poll import poll_until
-from torchpass_slurm.config import SupervisorConfig
+from torchpass_slurm.config import NodeRole, SupervisorConfig
 from torchpass_slurm.supervisor.status import STATUS_FILE, JobStatus, NodeStatus, read_status
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ STALE_STATUS_S = 30.0
 HEARTBEAT_WARN_S = 2 * SupervisorConfig.heartbeat_interval
 HEARTBEAT_BAD_S = SupervisorConfig.heartbeat_timeout
 #: Roles whose nodes are expected to send heartbeats.
-LIVE_ROLES = frozenset({"active", "spare"})
+LIVE_ROLES = frozenset({NodeRole.ACTIVE, NodeRole.SPARE})
 #: Default seconds between refreshes of ``--watch``.
 WATCH_INTERVAL_S = 2.0
 

@@ -49,6 +49,10 @@ LATEST = "latest"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_PREFIX = ".tmp-"
 _STEP_KEY = "torchpass_step"
+# _DCP_ERRORS: what torch.distributed.checkpoint raises, besides its CheckpointException (which
+# gathers the ranks' errors), for a state that does not fit the stored one or a collective that
+# failed: torch's RuntimeError (DistError too), and ValueError / KeyError / TypeError from its
+# planners. Both save and load turn exactly these into a CheckpointError.
 
 
 def step_dir(directory: str | os.PathLike[str], step: int) -> Path:
@@ -323,7 +327,7 @@ def save(state: Mapping[str, Any], directory: str | os.PathLike[str], step: int,
             f"saving the checkpoint of step {step} into {tmp} failed: {exc}",
             hint="check that the folder is on a shared, writable file system with free space",
         ) from exc
-    except (Exception, CheckpointException) as exc:
+    except (CheckpointException, RuntimeError, ValueError, KeyError, TypeError) as exc:  # _DCP_ERRORS
         raise CheckpointError(
             f"saving the checkpoint of step {step} into {tmp} failed: {_reason(exc)}",
             hint="if another rank failed first, its log has the cause",
@@ -411,7 +415,7 @@ def load_latest(state: dict[str, Any], directory: str | os.PathLike[str]) -> int
 
     try:
         dcp.load(payload, checkpoint_id=str(path), **_no_dist_kwargs(dcp.load))
-    except (Exception, CheckpointException) as exc:
+    except (CheckpointException, RuntimeError, ValueError, KeyError, TypeError) as exc:  # _DCP_ERRORS
         raise CheckpointError(
             f"loading the checkpoint {path} failed: {_reason(exc)}",
             hint="the state passed in must have the same keys and shapes as when it was saved",

@@ -18,6 +18,7 @@ from torchpass_slurm.config import (
     ENV_RANK_BASE,
     ENV_ROLE,
     ENV_STORE,
+    NodeRole,
 )
 from torchpass_slurm.errors import ConfigError, ControlPlaneError
 
@@ -28,8 +29,8 @@ class Role(str, Enum):
     """How this process takes part in the job."""
 
     PLAIN = "plain"  # no supervisor: torchrun / srun environment
-    ACTIVE = "active"  # a rank of the current epoch
-    SPARE = "spare"  # a hot spare in standby
+    ACTIVE = NodeRole.ACTIVE.value  # a rank of the current epoch
+    SPARE = NodeRole.SPARE.value  # a hot spare in standby
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from torchpass_slurm import events as ev
-from torchpass_slurm.config import SupervisorConfig
+from torchpass_slurm.config import NodeRole, SupervisorConfig
 from torchpass_slurm.control.bodies import Report
 from torchpass_slurm.control.messages import Kind, Message, ReportKind
 from torchpass_slurm.control.server import ControlServer
@@ -201,7 +201,7 @@ class Supervisor:
             if node in self.job.releasing:
                 step.state = WorkerState.EXITED
                 self.executor.allocation.release(node)
-            elif rc == 0 and step.role == "active":
+            elif rc == 0 and step.role == NodeRole.ACTIVE:
                 step.state = WorkerState.EXITED
                 self.events.append(ev.STEP_EXITED, node=node, exit_code=0)
 
@@ -249,7 +249,7 @@ class Supervisor:
             step.seen(message.sender, now)
             if step.all_standby() and step.state == WorkerState.STARTING:
                 step.state = WorkerState.STANDBY
-                self.events.append(ev.WORKER_UP, node=node, role="spare")
+                self.events.append(ev.WORKER_UP, node=node, role=NodeRole.SPARE)
 
     def _on_report(self, node: str, step: WorkerStep, report: Report) -> None:
         fields = {k: v for k, v in report.fields.items() if k not in ("ts", "kind", "job")}
@@ -289,8 +289,8 @@ class Supervisor:
         for node, step in job.steps.items():
             role = m.role_of(node) if node in m.active + m.spares + m.failed else step.role
             if node in job.released or node in job.releasing:
-                role = "released"
-            ranks = tuple(m.ranks_of(node)) if role == "active" else ()
+                role = NodeRole.RELEASED
+            ranks = tuple(m.ranks_of(node)) if role == NodeRole.ACTIVE else ()
             nodes.append(
                 NodeStatus(
                     node=node,

@@ -33,18 +33,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torchpass_slurm.config import NodeRole
 from torchpass_slurm.errors import ConfigError, MembershipError, NoSpareError
 
 __all__ = [
-    "ROLE_ACTIVE",
-    "ROLE_SPARE",
-    "ROLE_FAILED",
     "Membership",
 ]
 
-ROLE_ACTIVE = "active"
-ROLE_SPARE = "spare"
-ROLE_FAILED = "failed"
 
 #: Version of the JSON form written by :meth:`Membership.to_json`.
 _JSON_FORMAT = 1
@@ -101,14 +96,14 @@ class Membership:
         """Number of ranks in the data plane (never changes across epochs)."""
         return len(self.active) * self.ntasks_per_node
 
-    def role_of(self, node: str) -> str:
-        """:data:`ROLE_ACTIVE`, :data:`ROLE_SPARE` or :data:`ROLE_FAILED`."""
+    def role_of(self, node: str) -> NodeRole:
+        """Active, spare or failed."""
         if node in self.active:
-            return ROLE_ACTIVE
+            return NodeRole.ACTIVE
         if node in self.spares:
-            return ROLE_SPARE
+            return NodeRole.SPARE
         if node in self.failed:
-            return ROLE_FAILED
+            return NodeRole.FAILED
         raise MembershipError(f"node {node!r} is not part of this job (epoch {self.epoch})")
 
     def slot_of(self, node: str) -> int:
@@ -238,7 +233,7 @@ class Membership:
 
     def _describe(self, node: str) -> str:
         try:
-            return f"its role is {self.role_of(node)!r}"
+            return f"its role is {self.role_of(node).value!r}"
         except MembershipError:
             return "it is not part of this job"
 

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from torchpass_slurm.config import SupervisorConfig
+from torchpass_slurm.config import NodeRole, SupervisorConfig
 from torchpass_slurm.control.bodies import Promote, PromoteMode, Reconfigure, Stop
 from torchpass_slurm.control.messages import Kind
 from torchpass_slurm.control.server import ControlServer
@@ -75,7 +75,7 @@ class Orders:
     def _send_promote(self, node: str, mode: PromoteMode) -> None:
         """Tell the spare's standby tasks their ranks; its step starts as an active one."""
         step, m = self.job.steps[node], self.job.membership
-        step.role, step.epoch, step.state = "active", m.epoch, WorkerState.STARTING
+        step.role, step.epoch, step.state = NodeRole.ACTIVE, m.epoch, WorkerState.STARTING
         step.heartbeats.clear()
         step.hello_senders.clear()
         step.started = self.clock.time()

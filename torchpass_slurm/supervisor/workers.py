@@ -50,7 +50,7 @@ class WorkerStep:
     """The supervisor's handle on one node's step."""
 
     node: str
-    role: str
+    role: cfg.NodeRole
     epoch: int
     ntasks: int
     process: subprocess.Popen[bytes]
@@ -130,12 +130,12 @@ class StepLauncher:
                 cfg.ENV_JOB_ID: str(self.job_id),
                 cfg.ENV_CONTROL: self.control_endpoint,
                 cfg.ENV_NODE: node,
-                cfg.ENV_ROLE: role,
+                cfg.ENV_ROLE: role.value,
                 cfg.ENV_EPOCH: str(membership.epoch),
                 cfg.ENV_NTASKS_PER_NODE: str(membership.ntasks_per_node),
             }
         )
-        if role == "active":
+        if role == cfg.NodeRole.ACTIVE:
             env.update(
                 {
                     cfg.ENV_RANK_BASE: str(membership.rank_base(node)),
