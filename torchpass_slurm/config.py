@@ -6,11 +6,11 @@ Every wait in the package has a timeout defined here, named and documented.
 
 from __future__ import annotations
 
-import enum
 import os
 from dataclasses import dataclass, fields
 
 from torchpass_slurm.errors import ConfigError
+from torchpass_slurm.strenum import StrEnum
 
 # --- environment variables that cross process boundaries ---------------------
 # (see docs/design/runtime-contract.md)
@@ -25,16 +25,13 @@ ENV_NODE = "TORCHPASS_NODE"
 ENV_ROLE = "TORCHPASS_ROLE"
 
 
-class NodeRole(str, enum.Enum):
+class NodeRole(StrEnum):
     """A node's role in the job: the membership, ``TORCHPASS_ROLE`` (active | spare), status.json."""
 
     ACTIVE = "active"  # holds logical ranks of the current epoch
     SPARE = "spare"  # a hot spare in standby
     FAILED = "failed"  # lost; its slot went to a spare
     RELEASED = "released"  # drained: handed over, or being given back to Slurm
-
-    def __str__(self) -> str:
-        return self.value
 
 
 ENV_EPOCH = "TORCHPASS_EPOCH"

@@ -22,8 +22,9 @@ regroup, checkpoint) or what the report concludes (deferred, fatal). The
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
+
+from torchpass_slurm.strenum import StrEnum
 
 __all__ = [
     "Detector",
@@ -37,7 +38,7 @@ __all__ = [
 ]
 
 
-class Detector(str, enum.Enum):
+class Detector(StrEnum):
     """Which detector saw a fault first."""
 
     STEP_EXITED = "step_exited"
@@ -49,19 +50,13 @@ class Detector(str, enum.Enum):
     HEALTH_WARNING = "health_warning"
     DRAIN = "drain"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class FaultClass(str, enum.Enum):
+class FaultClass(StrEnum):
     """How a fault came: it struck, it was foreseen, or it was asked for."""
 
     UNPLANNED = "unplanned"
     PRE_EMPTIVE = "pre-emptive"
     PLANNED = "planned"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 #: Detectors whose fault means the node's step is lost (its ranks must move).
@@ -101,7 +96,7 @@ class Fault:
         return self.detector in NODE_LOSS
 
 
-class Recovery(str, enum.Enum):
+class Recovery(StrEnum):
     """What the supervisor does about faults (``migration_started``'s ``mode``)."""
 
     #: a spare takes each lost slot; survivors rebuild their group in place; a replica sends the state
@@ -115,11 +110,8 @@ class Recovery(str, enum.Enum):
     #: a collective failed and nobody is lost: the same ranks rebuild their group
     REGROUP = "regroup"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Resolution(str, enum.Enum):
+class Resolution(StrEnum):
     """How a fault ended, as the event log and the report name it."""
 
     LIVE = "live"
@@ -128,15 +120,9 @@ class Resolution(str, enum.Enum):
     DEFERRED = "deferred"
     FATAL = "fatal"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class RecoveryPolicy(str, enum.Enum):
+class RecoveryPolicy(StrEnum):
     """``tp run --recovery``: live migration where it can, or always a checkpoint restart."""
 
     LIVE = "live"
     RESTART = "restart"
-
-    def __str__(self) -> str:
-        return self.value

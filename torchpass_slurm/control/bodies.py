@@ -10,25 +10,22 @@ body that does not fit.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.errors import ControlPlaneError
+from torchpass_slurm.strenum import StrEnum
 
 __all__ = ["PromoteMode", "Promote", "Reconfigure", "Stop", "Report"]
 
 
-class PromoteMode(str, enum.Enum):
+class PromoteMode(StrEnum):
     """How a promoted spare joins: live (it receives the state from a replica) or restart."""
 
     LIVE = "live"
     RESTART = "restart"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 def _field(body: Mapping[str, Any], name: str, kind: type, what: str) -> Any:

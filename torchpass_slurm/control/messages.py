@@ -32,7 +32,6 @@ See ``docs/protocol.md`` for the protocol as a whole.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import hmac
 import json
@@ -45,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 from torchpass_slurm.errors import AuthenticationError, ControlPlaneError
+from torchpass_slurm.strenum import StrEnum
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ __all__ = [
 # --- kinds --------------------------------------------------------------------
 
 
-class Kind(str, enum.Enum):
+class Kind(StrEnum):
     """The kind of a control message (frame 1's ``kind``)."""
 
     # worker -> supervisor
@@ -97,11 +97,8 @@ class Kind(str, enum.Enum):
     # both ways: acknowledges the message with sequence number body["seq"]
     ACK = "ack"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class ReportKind(str, enum.Enum):
+class ReportKind(StrEnum):
     """The ``event`` of a REPORT: what a rank tells the supervisor (see docs/protocol.md)."""
 
     #: its training runs the elastic loop (it can rebuild its group in place)
@@ -122,9 +119,6 @@ class ReportKind(str, enum.Enum):
     RESUMED = "resumed"
     #: the node's in-job health agent saw WARNING or CRITICAL (status=, summary=)
     HEALTH_WARNING = "health_warning"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 HELLO, HEARTBEAT, STANDBY, BYE, REPORT = (Kind.HELLO, Kind.HEARTBEAT, Kind.STANDBY, Kind.BYE, Kind.REPORT)

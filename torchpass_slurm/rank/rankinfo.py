@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 from torchpass_slurm.config import (
@@ -21,11 +20,12 @@ from torchpass_slurm.config import (
     NodeRole,
 )
 from torchpass_slurm.errors import ConfigError, ControlPlaneError
+from torchpass_slurm.strenum import StrEnum
 
 __all__ = ["Role", "RankInfo", "plain_rank_info", "active_rank_info", "promoted_rank_info", "role_from_env"]
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     """How this process takes part in the job."""
 
     PLAIN = "plain"  # no supervisor: torchrun / srun environment

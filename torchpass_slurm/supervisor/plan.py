@@ -26,7 +26,6 @@ plan that changes the membership moves it to the next epoch, once.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +37,7 @@ from torchpass_slurm.faults import (
     Recovery,
     RecoveryPolicy,
 )
+from torchpass_slurm.strenum import StrEnum
 from torchpass_slurm.supervisor.membership import Membership
 
 __all__ = ["Action", "Plan", "Policy", "WorkerFacts", "plan_recovery"]
@@ -46,7 +46,7 @@ __all__ = ["Action", "Plan", "Policy", "WorkerFacts", "plan_recovery"]
 MAX_IN_PLACE_RESTARTS = 3
 
 
-class Action(str, enum.Enum):
+class Action(StrEnum):
     """What a plan does. The first five are :class:`~torchpass_slurm.faults.Recovery` modes."""
 
     LIVE = Recovery.LIVE.value
@@ -59,9 +59,6 @@ class Action(str, enum.Enum):
     DEFER = "defer"
     GIVE_UP = "give-up"
     NOTHING = "nothing"
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def recovery(self) -> Recovery | None:

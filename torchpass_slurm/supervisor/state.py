@@ -8,17 +8,17 @@ read it.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from torchpass_slurm.faults import Resolution
+from torchpass_slurm.strenum import StrEnum
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.workers import Clock, WorkerState, WorkerStep
 
 __all__ = ["Clock", "RunState", "RunResult", "Migration", "JobState"]
 
 
-class RunState(str, enum.Enum):
+class RunState(StrEnum):
     """The job as the supervisor runs it; :class:`~.loop.Supervisor`'s docstring draws the machine."""
 
     LAUNCHING = "launching"
@@ -26,9 +26,6 @@ class RunState(str, enum.Enum):
     RECOVERING = "recovering"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def ended(self) -> bool:

@@ -10,7 +10,6 @@ bounded wait. Nothing here decides anything; :mod:`.supervisor` does.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import signal
 import subprocess
@@ -21,12 +20,13 @@ from typing import Protocol
 
 from torchpass_slurm import config as cfg
 from torchpass_slurm.slurm import SlurmBackend
+from torchpass_slurm.strenum import StrEnum
 from torchpass_slurm.supervisor.membership import Membership
 
 logger = logging.getLogger(__name__)
 
 
-class WorkerState(str, enum.Enum):
+class WorkerState(StrEnum):
     """Life of one node's step.
 
     ::
