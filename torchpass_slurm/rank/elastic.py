@@ -57,12 +57,14 @@ RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)
 #: Timeout of one state transfer call.
 TRANSFER_TIMEOUT = datetime.timedelta(seconds=120)
 
-#: How torch.distributed's C++ layer begins the text of the RuntimeError it raises for a failed
-#: collective: the throw site (``[.../gloo/transport/tcp/pair.cc:537] Read error ...``), the
-#: c10d rank prefix (``[Rank 0]: Ranks 2 failed to pass monitoredBarrier ...``), or NCCL by name.
-#: Measured: torch 2.13's gloo raises plain RuntimeError for a dead peer and for a collective
-#: timeout, with the throw site first; DistError covers the store and NCCL's own errors.
-_TORCH_COMM_ERROR = re.compile(r"^\[(?:[^\]]*\.(?:cc|cpp|h):\d+|Rank \d+)\]|\bNCCL\b")
+#: How torch.distributed's C++ layer words the plain RuntimeError it raises for a failed
+#: collective: the throw site first (``[.../gloo/transport/tcp/pair.cc:537] Read error ...``), the
+#: c10d rank prefix (``[Rank 0]: Ranks 2 failed to pass monitoredBarrier ...``), NCCL by name, or
+#: gloo closing a pair whose peer went silent past the collective timeout (``Application timeout
+#: caused pair closure``, with no throw site). Measured: torch 2.13's gloo raises plain
+#: RuntimeError with the throw site for a dead or a hung peer; Debian's torch 2.6 the pair closure
+#: when a survivor waits on a powered-off node. DistError covers the store and NCCL's own errors.
+_TORCH_COMM_ERROR = re.compile(r"^\[(?:[^\]]*\.(?:cc|cpp|h):\d+|Rank \d+)\]|\bNCCL\b|\bpair closure\b")
 
 
 def is_comm_error(exc: BaseException) -> bool:
