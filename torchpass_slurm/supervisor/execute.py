@@ -65,7 +65,6 @@ class Executor:
     ) -> None:
         self.job = job
         self.launcher = launcher
-        self.server = server
         self.slurm = slurm
         self.events = events
         self.config = config

@@ -99,9 +99,7 @@ class Supervisor:
         self.run_dir = run_dir
         self.launcher = launcher
         self.server = server
-        self.slurm = slurm
         self.events = events
-        self.config = config
         self.clock = clock
         self.recovery = RecoveryPolicy(recovery)
         self.store = store
