@@ -150,6 +150,8 @@ class EventLog:
         clash = RESERVED_KEYS & set(fields)
         if clash:
             raise EventLogError(f"event fields may not be named {', '.join(sorted(clash))}")
+        if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int)):
+            raise EventLogError(f"event {kind!r} has the epoch {epoch!r}; an epoch is an integer")
         event = Event(self._clock(), kind, self.job, self.epoch if epoch is None else epoch, fields)
         self._write(event.to_line())
         return event

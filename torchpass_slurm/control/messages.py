@@ -43,8 +43,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
+from torchpass_slurm.control.kinds import Kind, ReportKind
 from torchpass_slurm.errors import AuthenticationError, ControlPlaneError
-from torchpass_slurm.strenum import StrEnum
 
 logger = logging.getLogger(__name__)
 
@@ -79,48 +79,6 @@ __all__ = [
 # --- kinds --------------------------------------------------------------------
 
 
-class Kind(StrEnum):
-    """The kind of a control message (frame 1's ``kind``)."""
-
-    # worker -> supervisor
-    HELLO = "hello"
-    HEARTBEAT = "heartbeat"
-    STANDBY = "standby"
-    BYE = "bye"
-    #: a rank reports a fact for the event log or a failed collective (body: event, fields)
-    REPORT = "report"
-    # supervisor -> worker
-    PROMOTE = "promote"
-    STOP = "stop"
-    #: survivors of a fault: rebuild the process group for a new epoch (live migration)
-    RECONFIGURE = "reconfigure"
-    # both ways: acknowledges the message with sequence number body["seq"]
-    ACK = "ack"
-
-
-class ReportKind(StrEnum):
-    """The ``event`` of a REPORT: what a rank tells the supervisor (see docs/protocol.md)."""
-
-    #: its training runs the elastic loop (it can rebuild its group in place)
-    LIVE_READY = "live_ready"
-    #: a collective failed (a peer died, or the network broke); it waits for a reconfigure
-    COLLECTIVE_FAILED = "collective_failed"
-    #: the new epoch's process group is up (seconds=)
-    GROUP_REBUILT = "group_rebuilt"
-    #: rank 0: the committed step every rank now holds (committed_step=, donors=, receivers=)
-    AGREEMENT = "agreement"
-    #: a receiver: the state arrived (donor=, bytes=, seconds=, retries=)
-    TRANSFER_DONE = "transfer_done"
-    #: rank 0: the first step of the new epoch committed (step=)
-    FIRST_STEP = "first_step"
-    #: a rank of a drained node handed over and left the job
-    RELEASED = "released"
-    #: rank 0 resumed from a checkpoint after a restart (step=)
-    RESUMED = "resumed"
-    #: the node's in-job health agent saw WARNING or CRITICAL (status=, summary=)
-    HEALTH_WARNING = "health_warning"
-
-
 HELLO, HEARTBEAT, STANDBY, BYE, REPORT = (Kind.HELLO, Kind.HEARTBEAT, Kind.STANDBY, Kind.BYE, Kind.REPORT)
 PROMOTE, STOP, RECONFIGURE, ACK = Kind.PROMOTE, Kind.STOP, Kind.RECONFIGURE, Kind.ACK
 
@@ -137,6 +95,10 @@ PROTOCOL_VERSION = b"tp2"  # tp2: report and reconfigure
 MAX_FRAME_BYTES = 64 * 1024
 #: Largest ``sender`` name accepted (characters).
 MAX_SENDER_CHARS = 256
+#: Deepest nesting of lists and objects accepted in a payload (the envelope is depth 1).
+MAX_NESTING = 16
+#: Largest magnitude of an integer accepted in a payload: a signed 64-bit one.
+MAX_INT = 2**63 - 1
 #: Default allowed difference between a message's timestamp and the receiver's
 #: clock (seconds). Cluster clocks are NTP-synchronised to well under a second;
 #: the window only has to cover skew plus queueing delay.
@@ -387,9 +349,16 @@ def _check_frames(frames: Sequence[bytes]) -> bytes:
 
 def _parse_payload(payload: bytes) -> Message:
     try:
-        obj = json.loads(payload.decode("ascii"))
+        obj = json.loads(
+            payload.decode("ascii"),
+            parse_int=_bounded_int,
+        )
     except (UnicodeDecodeError, ValueError) as exc:
         raise ControlPlaneError(f"control message payload is not JSON: {exc}") from None
+    except RecursionError:
+        raise ControlPlaneError(
+            f"control message payload is nested deeper than {MAX_NESTING} levels"
+        ) from None
     if not isinstance(obj, dict) or set(obj) != {"body", "kind", "sender", "seq", "ts"}:
         seen = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
         raise ControlPlaneError(
@@ -400,7 +369,35 @@ def _parse_payload(payload: bytes) -> Message:
         raise ControlPlaneError(
             f"control message body is a {type(obj['body']).__name__}; expected a JSON object"
         )
+    _check_values(obj["body"])
     return Message(obj["kind"], obj["sender"], obj["seq"], float(obj["ts"]), obj["body"])
+
+
+def _bounded_int(text: str) -> int:
+    value = int(text)
+    if abs(value) > MAX_INT:
+        raise ValueError(f"an integer of {len(text)} digits is out of the signed 64-bit range")
+    return value
+
+
+def _check_values(body: dict[str, Any]) -> None:
+    """Lists and objects at most MAX_NESTING deep, every number finite (walked without recursion).
+
+    The envelope is level 1, so the body is level 2. NaN and Infinity parse
+    (``json`` reads them) but are refused here, as the sender's canonical JSON
+    never writes them.
+    """
+    pending: list[tuple[object, int]] = [(body, 2)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ControlPlaneError(f"control message body holds {value!r}; numbers must be finite")
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is None:
+            continue
+        if depth > MAX_NESTING:
+            raise ControlPlaneError(f"control message payload is nested deeper than {MAX_NESTING} levels")
+        pending.extend((child, depth + 1) for child in children)
 
 
 def _check_header(kind: object, sender: object, seq: object, ts: object) -> None:
