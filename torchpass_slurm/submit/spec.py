@@ -65,7 +65,7 @@ def _count(option: Option | None, what: str, *, minimum: int) -> int | None:
     if option is None:
         return None
     value = (option.value or "").strip()
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):
         raise SubmitError(f"{what} must be a whole number, got {option}")
     if int(value) < minimum:
         raise SubmitError(f"{what} must be at least {minimum}, got {option}")
@@ -75,7 +75,7 @@ def _count(option: Option | None, what: str, *, minimum: int) -> int | None:
 def _node_count(option: Option | None) -> int | None:
     if option is None:
         return None
-    m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", option.value or "")
+    m = re.fullmatch(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?", option.value or "")
     if m is None:
         raise SubmitError(
             f"{option}: the node count must be a whole number, not {option.value!r}",

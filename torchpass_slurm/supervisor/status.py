@@ -71,12 +71,14 @@ class JobStatus:
 
 
 def write_status(run_dir: Path, status: JobStatus) -> None:
-    """Replace ``run_dir/status.json`` atomically."""
+    """Replace ``run_dir/status.json`` atomically and durably (fsync, then rename)."""
     run_dir = Path(run_dir)
     fd, tmp = tempfile.mkstemp(prefix=".status-", suffix=".json", dir=run_dir)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(status.to_json())
+            f.flush()
+            os.fsync(f.fileno())  # the rename must not land before the bytes (a crash leaves it empty)
         os.replace(tmp, run_dir / STATUS_FILE)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

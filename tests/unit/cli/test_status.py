@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from torchpass_slurm.cli.status import compact_ranks, format_age, heartbeat_style, is_stale
-from torchpass_slurm.supervisor.status import NodeStatus, write_status
+from torchpass_slurm.supervisor.status import JobStatus, NodeStatus, read_status, write_status
 
 from .conftest import NOW, job_status, scontrol_job, tp
 
@@ -123,3 +123,23 @@ def test_malformed_status_file(run_dir: Path) -> None:
     assert tp("status", str(run_dir)) == (1, "", (
         "error: malformed status file: Expecting property name enclosed in double quotes: "
         "line 1 column 20 (char 19)\n"))
+
+
+def test_the_status_file_is_synced_before_it_replaces_the_old_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash between the rename and the write-back must not leave an empty status.json."""
+    import os
+
+    from torchpass_slurm.supervisor import status as status_mod
+
+    calls: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(status_mod.os, "fsync", lambda fd: (calls.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(status_mod.os, "replace", lambda a, b: (calls.append("replace"), real_replace(a, b))[1])
+    status = JobStatus(job_id="1", run_dir=str(tmp_path), state="running", epoch=0, world_size=1,
+                       updated=0.0, nodes=(), restarts=0, message="")
+
+    write_status(tmp_path, status)
+
+    assert calls == ["fsync", "replace"]
+    assert read_status(tmp_path) == status

@@ -40,6 +40,20 @@ def test_simulated_source_errors(sim: Sim) -> None:
         SimulatedSource(sim.root / "missing.json").gpus()
 
 
+@pytest.mark.parametrize(("gpu", "message"), [
+    ({"index": 0, "lost": "no"}, r"gpus\[0\]\.lost is 'no'; expected bool"),
+    ({"index": 0, "ecc_corrected": "12"}, r"gpus\[0\]\.ecc_corrected is '12'; expected int"),
+    ({"index": 0, "ecc_uncorrected": True}, r"gpus\[0\]\.ecc_uncorrected is True; expected int"),
+    ({"index": 0, "temperature_c": [90]}, r"gpus\[0\]\.temperature_c is \[90\]; expected int or float"),
+    ({"index": "0"}, r"gpus\[0\]\.index is '0'; expected int"),
+], ids=["lost-as-text", "ecc-as-text", "ecc-as-bool", "temperature-as-list", "index-as-text"])
+def test_simulated_source_type_checks_its_file(sim: Sim, gpu: dict[str, Any], message: str) -> None:
+    """A mistyped fact is the file's mistake, said so: never a GPU that looks lost or failing."""
+    sim.gpus(gpu)
+    with pytest.raises(SourceError, match=message):
+        SimulatedSource(sim.devices).gpus()
+
+
 def test_select_source(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(select_source(HealthConfig()), SimulatedSource)  # auto + TORCHPASS_HEALTH_SIMULATE
     assert isinstance(select_source(HealthConfig(), "nvml"), NvmlSource)

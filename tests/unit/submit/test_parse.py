@@ -273,3 +273,16 @@ def test_errors_name_the_script_line() -> None:
 def test_option_str() -> None:
     assert str(Option("nodes", "3", ("-N", "3"))) == "-N 3"
     assert str(Option("nodes", "3", ("-N3",), "j line 2")) == "-N3 (j line 2)"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--spares", "２"], "the number of hot spares must be a whole number, got --spares ２"),
+    (["--spares", "²"], "the number of hot spares must be a whole number, got --spares ²"),
+    (["-N", "３"], "-N ３: the node count must be a whole number, not '３'"),
+    (["--ntasks-per-node", "٤"], "the number of tasks per node must be a whole number, got --ntasks-per-node ٤"),
+], ids=["fullwidth-spares", "superscript-spares", "fullwidth-nodes", "arabic-indic-ntasks"])
+def test_counts_are_ascii_digits(argv: list[str], message: str) -> None:
+    """str.isdigit() and \\d take other scripts' digits ('²' even fails int()): counts are 0-9 only."""
+    with pytest.raises(SubmitError) as info:
+        spec_of([*argv, "--", "true"])
+    assert info.value.message == message

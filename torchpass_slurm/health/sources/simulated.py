@@ -37,6 +37,27 @@ __all__ = ["SimulatedSource"]
 
 _FIELDS = {f.name for f in fields(GpuFacts)}
 _TUPLES = ("xid_errors", "throttle_reasons")
+#: The JSON type each scalar field must have ("lost": "no" is a mistake, not a lost GPU).
+_SCALARS: dict[str, tuple[type, ...]] = {
+    "index": (int,),
+    "uuid": (str,),
+    "name": (str,),
+    "lost": (bool,),
+    **{n: (int, float) for n in ("temperature_c", "slowdown_c", "shutdown_c")},
+    **{
+        n: (int,)
+        for n in (
+            "ecc_corrected",
+            "ecc_uncorrected",
+            "retired_pages",
+            "pcie_gen",
+            "pcie_gen_max",
+            "pcie_width",
+            "pcie_width_max",
+        )
+    },
+    **{n: (bool,) for n in ("retired_pages_pending", "remapped_rows_pending", "remapped_rows_failure")},
+}
 
 
 class SimulatedSource:
@@ -70,6 +91,13 @@ class SimulatedSource:
                 f"{self.path}: gpus[{position}] has unknown field(s) {', '.join(unknown)}",
                 hint=f"valid fields: {', '.join(sorted(_FIELDS))}",
             )
+        for name, types in _SCALARS.items():
+            value = raw.get(name)
+            if value is None:
+                continue  # absent or null: the field's default
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+                wanted = " or ".join(t.__name__ for t in types)
+                raise SourceError(f"{self.path}: gpus[{position}].{name} is {value!r}; expected {wanted}")
         values = dict(raw)
         values.setdefault("index", position)
         values.setdefault("uuid", f"SIM-GPU-{values['index']}")
