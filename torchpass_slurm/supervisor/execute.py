@@ -126,18 +126,11 @@ class Executor:
             logger.warning("could not drain %s after its health warning: %s", node, err)
 
     def _live(self, plan: Plan) -> None:
-        new, failed = plan.membership, [f.node for f in plan.lost]
+        new, failed = plan.membership, plan.lost_nodes
         survivors = [n for n in new.active if n not in plan.promoted]
         committed = self.job.committed(survivors)
         self.change_membership(new)
-        self.events.append(
-            ev.MIGRATION_STARTED,
-            failed=failed,
-            spares=list(plan.promoted),
-            last_heartbeat=self.job.last_heartbeat(failed),
-            committed_step=committed,
-            mode=plan.action.recovery,
-        )
+        self._migration_started(plan, committed)
         for spare, node in zip(plan.promoted, failed, strict=True):
             self.events.append(
                 ev.SPARE_PROMOTED,
@@ -214,14 +207,28 @@ class Executor:
 
     def _restart(self, plan: Plan) -> None:
         self.job.state = RunState.RECOVERING
-        new, failed = plan.membership, [f.node for f in plan.lost]
-        for spare, node in zip(plan.promoted, failed, strict=True):
+        new = plan.membership
+        for spare, node in zip(plan.promoted, plan.lost_nodes, strict=True):
             self.events.append(
                 ev.SPARE_PROMOTED, epoch=new.epoch, node=spare, replaces=node, ranks=list(new.ranks_of(spare))
             )
         self.change_membership(new)
         survivors = [n for n in new.active if n not in plan.promoted]
         committed = self.job.committed(survivors)
+        self._migration_started(plan, committed)
+        self._relaunch(survivors, plan, committed)
+
+    def _restart_in_place(self, plan: Plan) -> None:
+        self.job.state = RunState.RECOVERING
+        self.job.in_place_restarts += 1
+        committed = self.job.committed(list(self.job.membership.active))
+        self.change_membership(plan.membership)
+        self._migration_started(plan, committed)
+        self._relaunch(list(plan.membership.active), plan, committed, in_place=True)
+
+    def _migration_started(self, plan: Plan, committed: int | None) -> None:
+        """``migration_started`` of a recovery from lost nodes: live, restart, restart in place."""
+        failed = plan.lost_nodes
         self.events.append(
             ev.MIGRATION_STARTED,
             failed=failed,
@@ -230,23 +237,6 @@ class Executor:
             committed_step=committed,
             mode=plan.action.recovery,
         )
-        self._relaunch(survivors, plan, committed)
-
-    def _restart_in_place(self, plan: Plan) -> None:
-        self.job.state = RunState.RECOVERING
-        self.job.in_place_restarts += 1
-        failed = [f.node for f in plan.lost]
-        committed = self.job.committed(list(self.job.membership.active))
-        self.change_membership(plan.membership)
-        self.events.append(
-            ev.MIGRATION_STARTED,
-            failed=failed,
-            spares=[],
-            mode=plan.action.recovery,
-            last_heartbeat=self.job.last_heartbeat(failed),
-            committed_step=committed,
-        )
-        self._relaunch(list(plan.membership.active), plan, committed, in_place=True)
 
     def _relaunch(self, relaunch: list[str], plan: Plan, committed: int | None, **restarted: Any) -> None:
         """Stop and relaunch ``relaunch`` in the new epoch, promote the spares; all resume."""
@@ -269,7 +259,7 @@ class Executor:
             epoch=new.epoch,
             started=self.clock.time(),
             committed=committed,
-            failed=tuple(f.node for f in plan.lost),
+            failed=tuple(plan.lost_nodes),
             resolution=Resolution.CHECKPOINT,
         )
         self.job.state = RunState.LAUNCHING
@@ -277,11 +267,11 @@ class Executor:
     def _drop_spares(self, plan: Plan) -> None:
         spares_left = len(plan.membership.spares) + len(plan.promoted)
         for node in plan.dropped:
-            extra = {"reason": plan.detail} if plan.action == Action.DROP_SPARE and plan.detail else {}
+            extra = {"reason": plan.detail} if plan.drained else {}
             self.events.append(
                 ev.SPARE_LOST, epoch=plan.membership.epoch, node=node, spares_left=spares_left, **extra
             )
-            if extra:  # a drained spare: its standby tasks leave, then its node is released
+            if plan.drained:  # its standby tasks leave, then its node is released
                 self.orders.stop_standby(node, f"node {plan.detail}")
                 self.job.releasing.add(node)
 

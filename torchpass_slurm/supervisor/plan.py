@@ -118,6 +118,16 @@ class Plan:
     exit_code: int = 1
 
     @property
+    def lost_nodes(self) -> list[str]:
+        """The active nodes whose slots move, in the order of :attr:`promoted`."""
+        return [f.node for f in self.lost]
+
+    @property
+    def drained(self) -> bool:
+        """The plan answers an admin drain (a planned fault)."""
+        return any(f.detector == Detector.DRAIN for f in self.faults)
+
+    @property
     def stop(self) -> tuple[str, ...]:
         """Nodes whose steps are lost: stopped before anything else happens."""
         return tuple(f.node for f in self.faults if f.loses_node)
@@ -174,22 +184,9 @@ def _plan_unplanned(
             return dataclasses.replace(base, action=Action.DROP_SPARE, membership=after_drop)
         return base
     nodes = [f.node for f in lost]
-    if can_migrate_live(nodes, after_drop, workers, policy):
-        new = after_drop.replace_all(nodes, epoch=membership.epoch + 1)
-        return dataclasses.replace(
-            base,
-            action=Action.LIVE,
-            membership=new,
-            promoted=tuple(new.active[membership.slot_of(n)] for n in nodes),
-        )
     if len(after_drop.spares) >= len(lost):
-        new = after_drop.replace_all(nodes, epoch=membership.epoch + 1)
-        return dataclasses.replace(
-            base,
-            action=Action.RESTART,
-            membership=new,
-            promoted=tuple(new.active[membership.slot_of(n)] for n in nodes),
-        )
+        live = can_migrate_live(nodes, after_drop, workers, policy)
+        return _onto_spares(base, Action.LIVE if live else Action.RESTART, after_drop, nodes)
     first = lost[len(after_drop.spares)]  # the first loss no spare is left for
     crashed = all(
         f.detector == Detector.STEP_EXITED and workers.get(f.node, WorkerFacts()).usable for f in lost
@@ -247,12 +244,16 @@ def _plan_drain(
             detail="no live migration possible (no spare, or a rank not on the elastic "
             "loop): the node drains when the job ends",
         )
-    new = membership.replace_all([node], epoch=membership.epoch + 1)
-    return Plan(
+    return _onto_spares(
+        Plan(Action.PLANNED, membership, faults=(fault,), lost=(fault,), detail=reason),
         Action.PLANNED,
-        new,
-        faults=(fault,),
-        lost=(fault,),
-        promoted=(new.active[membership.slot_of(node)],),
-        detail=reason,
+        membership,
+        [node],
     )
+
+
+def _onto_spares(base: Plan, action: Action, pool: Membership, nodes: Sequence[str]) -> Plan:
+    """``base`` as ``action``: the first spares of ``pool`` take the lost nodes' slots, one epoch on."""
+    new = pool.replace_all(nodes, epoch=base.membership.epoch + 1)
+    promoted = tuple(new.active[base.membership.slot_of(n)] for n in nodes)
+    return dataclasses.replace(base, action=action, membership=new, promoted=promoted)
