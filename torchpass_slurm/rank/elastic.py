@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from torchpass_slurm.control.bodies import PromoteMode, Reconfigure
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.errors import CollectiveError, TransferError
+from torchpass_slurm.rank.rendezvous import destroy_group
 from torchpass_slurm.rank.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -299,13 +300,7 @@ class ElasticTrainer:
 
     def _release(self, body: Reconfigure) -> None:
         """This rank's node is drained: hand over (a replica sends the state) and leave."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except RuntimeError as exc:  # torch's errors (DistError too) are RuntimeErrors
-                self.rt.log.debug("destroying the group on release: %r", exc)
+        destroy_group(self.rt.log)
         self.released = True
         self.rt.report(ReportKind.RELEASED, step=self.step, epoch=body.epoch)
         self.rt.log.info("released at step %d: this node is being drained", self.step)

@@ -103,7 +103,7 @@ def destroy_group(log: logging.LoggerAdapter[logging.Logger]) -> None:
         try:
             dist.destroy_process_group()
         except RuntimeError as exc:  # torch's errors (DistError too) are RuntimeErrors; it is gone anyway
-            log.debug("destroying the old group: %r", exc)
+            log.debug("destroying the process group: %r", exc)
 
 
 def make_tcp_store(host: str, port: int, *, is_master: bool, timeout: datetime.timedelta) -> Any:
