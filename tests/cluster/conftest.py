@@ -15,7 +15,24 @@ from collections.abc import Iterator
 import pytest
 
 from scripts.devcluster import COMPUTE, Cluster, ClusterError, wait_for
-from tests.cluster.jobs import final_hash, submit
+from tests.cluster.jobs import SUBMITTED, final_hash, post_mortem, submit
+
+
+#: Where, in SUBMITTED, a test's own jobs begin (the session fixtures submit some first).
+_FIRST_JOB = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed cluster test carries its jobs' event logs and output tails in its report: on CI
+    the run folders are gone once the run ends, and these are what says why a job failed."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "setup":
+        item.stash[_FIRST_JOB] = len(SUBMITTED)
+    elif report.failed and call.when == "call":
+        for job in SUBMITTED[item.stash.get(_FIRST_JOB, 0):]:
+            report.sections.append((f"tp job {job.job_id}", post_mortem(job)))
 
 
 @pytest.fixture(scope="session")

@@ -48,11 +48,35 @@ class TpJob:
                  what=f"job {self.job_id} at step {step}", interval=1)
 
 
+#: Every job submitted by this test session, so that a failed test can show what its jobs did.
+SUBMITTED: list[TpJob] = []
+
+
 def submit(c: Cluster, *tp_args: str, train_args: tuple[str, ...] = TRAIN_ARGS,
            env: dict[str, str] | None = None) -> TpJob:
     """tp-submit the example on ctl; ``env`` reaches every rank (sbatch exports it)."""
     run_dir = f"/shared/runs/{uuid.uuid4().hex[:8]}"
-    return TpJob(c, c.tp_submit(run_dir, *tp_args, EXAMPLE, *train_args, env=env), run_dir)
+    job = TpJob(c, c.tp_submit(run_dir, *tp_args, EXAMPLE, *train_args, env=env), run_dir)
+    SUBMITTED.append(job)
+    return job
+
+
+def post_mortem(job: TpJob, lines: int = 80) -> str:
+    """What a failed test needs to say about one of its jobs: its event log and the end of its
+    output (the supervisor's log lines are in it), read from the shared folder on the host, so
+    that it works whatever state the cluster is in."""
+    folder = job.host_run_dir
+    parts = [f"job {job.job_id}, run folder {job.run_dir}"]
+    for name, keep in (("events.jsonl", None), (f"slurm-{job.job_id}.out", lines)):
+        try:
+            text = (folder / name).read_text(errors="replace").splitlines()
+        except OSError as err:
+            parts.append(f"--- {name}: cannot read ({err.strerror})")
+            continue
+        shown = text if keep is None else text[-keep:]
+        parts.append(f"--- {name} ({len(shown)} of {len(text)} lines)")
+        parts.extend(shown)
+    return "\n".join(parts)
 
 
 def active_victim(c: Cluster, job: TpJob) -> str:
