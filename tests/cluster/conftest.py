@@ -17,7 +17,6 @@ import pytest
 from scripts.devcluster import COMPUTE, Cluster, ClusterError, wait_for
 from tests.cluster.jobs import SUBMITTED, final_hash, post_mortem, submit
 
-
 #: Where, in SUBMITTED, a test's own jobs begin (the session fixtures submit some first).
 _FIRST_JOB = pytest.StashKey[int]()
 
