@@ -7,7 +7,9 @@ Every wait in the package has a timeout defined here, named and documented.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 from torchpass_slurm.errors import ConfigError
 from torchpass_slurm.strenum import StrEnum
@@ -98,16 +100,24 @@ def env_int(name: str, default: int | None = None, *, minimum: int = 0) -> int:
 class SupervisorConfig:
     """Timing of the supervisor (tp run). All values in seconds."""
 
-    #: Interval between worker heartbeats.
-    heartbeat_interval: float = 2.0
-    #: A worker with no heartbeat for this long is declared lost.
-    heartbeat_timeout: float = 20.0
-    #: After a step exits with an error, how long to gather evidence before blaming a
-    #: node: when one rank dies, its peers' collectives fail too and their steps exit
-    #: moments later; the node that went silent (or else the first to exit) is the cause.
-    fault_settle: float = 7.0
-    #: During that window, a running step silent for longer than this is presumed dead.
-    silence_threshold: float = 6.0
+    #: Interval between worker heartbeats (4 Hz: a silent node is noticed within a second).
+    heartbeat_interval: float = 0.25
+    #: A step silent for this long is suspected; its loss is declared at once when a second
+    #: signal confirms it (a peer's failed collective named its address, or its slurmd does
+    #: not accept a TCP connection): see supervisor/detect.py.
+    silence_threshold: float = 1.0
+    #: Silence that nothing confirms (the node still answers: a frozen or hung process) is
+    #: declared a loss after this long.
+    heartbeat_timeout: float = 5.0
+    #: Ambiguous evidence (a step exit when the ranks do not all run the elastic loop, a
+    #: failed collective that names nobody silent) is weighed this long at most; confirmed
+    #: evidence ends the window early. At its end the steps silent all along are blamed,
+    #: else the first step that exited.
+    fault_settle: float = 3.0
+    #: The TCP port of slurmd on the compute nodes (Slurm's SlurmdPort), probed to confirm
+    #: that a silent node is gone, and how long one probe waits for the connection.
+    probe_port: int = 6818
+    probe_timeout: float = 0.5
     #: Interval between polls of Slurm for the job's node states (never a tight loop).
     slurm_poll_interval: float = 5.0
     #: How long a started step may take to say hello before it counts as failed.
@@ -119,6 +129,29 @@ class SupervisorConfig:
     lost_stop_timeout: float = 0.5
 
     @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> SupervisorConfig:
+        """The defaults, each overridden by ``TORCHPASS_<SETTING>`` when set (e.g.
+        ``TORCHPASS_HEARTBEAT_INTERVAL=0.5``); sbatch exports them to every step, so the
+        ranks and the supervisor agree. A bad value is a ConfigError naming the variable."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            name = f"TORCHPASS_{f.name.upper()}"
+            raw = env.get(name)
+            if raw is None or raw == "":
+                continue
+            kind = _setting_type(f.default)
+            try:
+                value = kind(raw)
+            except ValueError:
+                noun = "an integer" if kind is int else "a number of seconds"
+                raise ConfigError(f"{name}={raw!r} is not {noun}") from None
+            if value <= 0:
+                raise ConfigError(f"{name}={raw!r} must be above 0")
+            values[f.name] = value
+        return cls(**values)
+
+    @classmethod
     def from_mapping(cls, values: dict[str, float]) -> SupervisorConfig:
         """Build from a mapping; unknown keys are errors that list the valid ones."""
         valid = {f.name for f in fields(cls)}
@@ -128,4 +161,11 @@ class SupervisorConfig:
                 f"unknown supervisor setting(s): {', '.join(unknown)}",
                 hint=f"valid settings: {', '.join(sorted(valid))}",
             )
-        return cls(**{k: float(v) for k, v in values.items()})
+        types = {f.name: _setting_type(f.default) for f in fields(cls)}
+        typed: dict[str, Any] = {k: types[k](v) for k, v in values.items()}
+        return cls(**typed)
+
+
+def _setting_type(default: object) -> type[int] | type[float]:
+    """A setting is an int (a port) when its default is one, else seconds as a float."""
+    return int if isinstance(default, int) else float

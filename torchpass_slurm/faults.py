@@ -30,6 +30,7 @@ __all__ = [
     "Detector",
     "FaultClass",
     "Fault",
+    "Evidence",
     "Recovery",
     "Resolution",
     "RecoveryPolicy",
@@ -73,14 +74,34 @@ NODE_LOSS = frozenset(
 NODE_UNTRUSTED = frozenset({Detector.HEARTBEAT_LOST, Detector.NODE_DOWN})
 
 
+class Evidence(StrEnum):
+    """Why a detector was sure enough to blame a node (the fault event's ``evidence``)."""
+
+    #: the node's own step exited with an error while every other rank runs the elastic loop
+    #: (they never exit for a peer's death): its process died, nothing to judge
+    CONCLUSIVE = "conclusive"
+    #: silent past ``silence_threshold``, and a peer's failed collective named its address
+    PEER_REPORT = "peer-report"
+    #: silent past ``silence_threshold``, and its slurmd did not accept a TCP connection
+    PROBE = "probe"
+    #: the settle window ended: the silent node, else the step that exited
+    SETTLED = "settled"
+    #: silent past ``heartbeat_timeout`` with nothing else to confirm it (a hung or frozen process)
+    TIMEOUT = "timeout"
+    #: Slurm said so (node state, job node list), or the step never came up
+    SLURM = "slurm"
+
+
 @dataclass(frozen=True)
 class Fault:
-    """A typed fault: what ``detector`` saw on ``node``, in words (``detail``)."""
+    """A typed fault: what ``detector`` saw on ``node``, in words (``detail``), and why it is
+    believed (``evidence``, empty for faults that are not judged: warnings, drains)."""
 
     node: str
     detector: Detector
     detail: str
     exit_code: int | None = None
+    evidence: Evidence | None = None
 
     @property
     def fault_class(self) -> FaultClass:

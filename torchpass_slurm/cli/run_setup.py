@@ -20,6 +20,7 @@ from torchpass_slurm.events import EVENTS_FILE, EventLog
 from torchpass_slurm.slurm import select_backend
 from torchpass_slurm.supervisor.loop import Supervisor
 from torchpass_slurm.supervisor.membership import Membership
+from torchpass_slurm.supervisor.probe import NodeProbe
 from torchpass_slurm.supervisor.workers import StepLauncher
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,10 @@ def build_supervisor(
         ",".join(membership.spares) or "-",
         server.endpoint,
     )
+    config = cfg.SupervisorConfig.from_env()
+    probe = NodeProbe(
+        membership.active + membership.spares, port=config.probe_port, timeout=config.probe_timeout
+    )
     supervisor = Supervisor(
         job_id=job_id,
         run_dir=run_dir,
@@ -73,7 +78,8 @@ def build_supervisor(
         server=server,
         slurm=slurm,
         events=events,
-        config=cfg.SupervisorConfig(),
+        config=config,
+        probe=probe,
         store=(host, store.port) if store is not None else ("", 0),
         recovery=recovery,
         batch_host=host,

@@ -32,8 +32,9 @@ FINAL_STATES = frozenset({"succeeded", "failed"})
 #: A status file older than this (seconds) while the job is not final means the
 #: supervisor stopped writing it: it is gone, or hung. It rewrites it about once a second.
 STALE_STATUS_S = 30.0
-#: Heartbeat ages (seconds) shown in yellow / red: two missed beats / declared lost.
-HEARTBEAT_WARN_S = 2 * SupervisorConfig.heartbeat_interval
+#: Heartbeat ages (seconds) shown in yellow / red: silent past the suspicion threshold
+#: (plus the status file's one-second refresh) / past the timeout that declares it lost.
+HEARTBEAT_WARN_S = SupervisorConfig.silence_threshold + 1.0
 HEARTBEAT_BAD_S = SupervisorConfig.heartbeat_timeout
 #: Roles whose nodes are expected to send heartbeats.
 LIVE_ROLES = frozenset({NodeRole.ACTIVE, NodeRole.SPARE})

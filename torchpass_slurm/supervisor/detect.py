@@ -1,19 +1,30 @@
 """Detectors: step exits, heartbeats, Slurm node states, rank reports and the clock, as faults.
 
 :meth:`Detectors.detect` runs once per pass of the supervisor's loop and
-returns the faults of one detection, or nothing. The first signal wins, in
-this order: a step that exited with an error, a rank's failed collective,
-silence (heartbeats or hello overdue), Slurm (a node DOWN / FAIL /
-NOT_RESPONDING or gone from the job; at most every ``slurm_poll_interval``).
+returns the faults of one detection, or nothing. Evidence is weighed by how
+conclusive it is (each fault says which, :class:`~torchpass_slurm.faults.Evidence`):
 
-A step's error exit and a failed collective are *suspicions*: when one node
-dies, the ranks on the others fail in their next collective and their steps
-exit too, and blaming the first exit would blame a healthy node. So they
-open a settle window of ``fault_settle`` seconds (the loop goes on: messages,
-promotions, transfers), and at its end the verdict blames the nodes whose
-steps still run but went silent; if none did, the step that exited (a crashed
-rank process). A failed collective with nobody to blame is returned as
-itself: the planner regroups the same ranks.
+- **conclusive, at once**: a step that exited with an error while every
+  other active rank runs the elastic loop. Elastic ranks never exit because a
+  peer died (they wait for the new epoch), so the exit is the node's own
+  process dying;
+- **confirmed silence, at once**: a step silent past ``silence_threshold``
+  (about 1 s at the default 4 Hz heartbeats) whose loss a second,
+  independent signal confirms: a peer's failed collective named the node's
+  address, or the node's slurmd no longer accepts a TCP connection
+  (:mod:`.probe`, started as soon as the node goes silent);
+- **ambiguous, settled**: a step exit in a job whose ranks do not all run
+  the elastic loop (its peers' steps exit too when one rank dies), or a
+  failed collective that names nobody silent yet. They open a settle window
+  of ``fault_settle`` seconds (the loop goes on); confirmed evidence ends it
+  early, and at its end the verdict blames the steps silent for the whole
+  window, else the step that exited; a failed collective with nobody to
+  blame is returned as itself (the planner regroups the same ranks);
+- **timeout**: silence past ``heartbeat_timeout`` with nothing to confirm it
+  (a frozen or hung process on a node that still answers), a step never up
+  within ``startup_timeout``;
+- **Slurm** (at most every ``slurm_poll_interval``): a node DOWN, FAIL,
+  NOT_RESPONDING, or gone from the job.
 
 Drains are not faults of the moment: each drain on a node of the job is
 recorded once (``drain_seen``) and queued in :attr:`Detectors.drains` until the
@@ -22,21 +33,30 @@ loop can move the node at a step boundary.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 from dataclasses import dataclass
 
 from torchpass_slurm import events as ev
 from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.errors import SlurmError
-from torchpass_slurm.faults import Detector, Fault
+from torchpass_slurm.faults import Detector, Evidence, Fault
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.slurm.models import Node
+from torchpass_slurm.supervisor.probe import Probe
 from torchpass_slurm.supervisor.state import Clock, JobState
-from torchpass_slurm.supervisor.workers import WorkerState
+from torchpass_slurm.supervisor.workers import WorkerState, WorkerStep
 
 __all__ = ["Detectors"]
 
 logger = logging.getLogger(__name__)
+
+#: A peer's address in torch's error text: gloo writes ``[10.1.2.3]:5000``, NCCL ``10.1.2.3<5000>``.
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+|\b(\d{1,3}(?:\.\d{1,3}){3})<\d+>")
+#: A peer's report counts for a node that went silent up to this long after it (seconds):
+#: the report may come a moment before the node's last heartbeat is overdue.
+_NAMED_SLACK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -58,17 +78,21 @@ class Detectors:
         config: SupervisorConfig,
         clock: Clock,
         events: ev.EventLog,
+        probe: Probe | None = None,
     ) -> None:
         self.job = job
         self.slurm = slurm
         self.config = config
         self.clock = clock
         self.events = events
+        self.probe = probe
         #: drains seen on the job's nodes, waiting for a step boundary
         self.drains: list[Fault] = []
         #: Slurm's last word on each watched node: usable or not
         self.usable: dict[str, bool] = {}
         self._drains_seen: set[str] = set()
+        #: nodes a peer's failed collective named: node -> (when, what the peer said)
+        self._named: dict[str, tuple[float, str]] = {}
         self._reported: Fault | None = None
         self._settle: _Settle | None = None
         self._next_slurm_poll = 0.0
@@ -80,59 +104,129 @@ class Detectors:
 
     # -- signals that arrive as messages --------------------------------------
     def collective_failed(self, node: str, rank: object, error: str) -> None:
-        """A rank of ``node`` (of its current epoch) reports a failed collective."""
+        """A rank of ``node`` (of the current epoch) reports a failed collective."""
+        detail = f"rank {rank} on {node}: a collective failed ({error[:120]})"
+        for peer in self._peers_named(error):
+            if peer != node:
+                self._named[peer] = (self.clock.time(), detail)
         if self._reported is None and self._settle is None:
-            self._reported = Fault(
-                node,
-                Detector.COLLECTIVE_FAILED,
-                f"rank {rank} on {node}: a collective failed ({error[:120]})",
-            )
+            self._reported = Fault(node, Detector.COLLECTIVE_FAILED, detail)
+
+    def _peers_named(self, error: str) -> list[str]:
+        if self.probe is None:
+            return []
+        found = (self.probe.node_of_address(a or b) for a, b in _PEER_ADDRESS.findall(error))
+        return [n for n in found if n is not None]
 
     # -- one detection ----------------------------------------------------------
     def detect(self) -> list[Fault]:
-        """The faults of one detection (judged, possibly after a settle window), or []."""
+        """The faults of one detection (at once when conclusive, else after settling), or []."""
+        exited = self._step_exit()
+        if exited is not None and self._exit_is_conclusive(exited.node):
+            return self._judged([dataclasses.replace(exited, evidence=Evidence.CONCLUSIVE)])
+        confirmed = self._confirmed_silence()
+        if confirmed:
+            return self._judged(confirmed)
         if self._settle is not None:
             if self.clock.monotonic() < self._settle.deadline:
                 return []
-            first, self._settle = self._settle.first, None
-            self._reported = None  # reports gathered while settling belong to this fault
-            return self._verdict(first)
+            first = self._settle.first
+            return self._judged(self._verdict(first), first)
         reported, self._reported = self._reported, None
-        fault = self._step_exit() or reported or self._silence() or self._watch_slurm()
-        if fault is None:
+        suspicion = exited or reported
+        if suspicion is not None:
+            self._settle = _Settle(suspicion, self.clock.monotonic() + self.config.fault_settle)
             return []
-        if fault.detector in (Detector.STEP_EXITED, Detector.COLLECTIVE_FAILED):
-            self._settle = _Settle(fault, self.clock.monotonic() + self.config.fault_settle)
-            return []
-        return [fault]
+        fault = self._silence() or self._watch_slurm()
+        return [fault] if fault is not None else []
+
+    def _judged(self, blamed: list[Fault], first: Fault | None = None) -> list[Fault]:
+        """Close any open suspicion: the faults of this detection, with the failed collective
+        that opened it (reports gathered meanwhile belong to this fault)."""
+        first = first or (self._settle.first if self._settle is not None else self._reported)
+        self._settle, self._reported = None, None
+        self._named.clear()
+        if first is not None and first.detector == Detector.COLLECTIVE_FAILED and first not in blamed:
+            blamed = [*blamed, first]
+        return blamed
+
+    def _exit_is_conclusive(self, node: str) -> bool:
+        """A spare's exit, or an active step's while every other active rank is elastic."""
+        m = self.job.membership
+        if node in m.spares:
+            return True
+        others = [self.job.steps[n] for n in m.active if n != node and n in self.job.steps]
+        return all(s.live and s.state == WorkerState.RUNNING for s in others)
+
+    def _confirmed_silence(self) -> list[Fault]:
+        """Steps silent past ``silence_threshold`` whose loss a second signal confirms; a probe
+        is started for the others."""
+        now, faults = self.clock.time(), []
+        for node, step in self._watched():
+            silent = step.silent_for(now)
+            if silent is None or silent <= self.config.silence_threshold:
+                continue
+            evidence = self._second_signal(node, now - silent)
+            if evidence is not None:
+                kind, why = evidence
+                faults.append(
+                    Fault(
+                        node,
+                        Detector.HEARTBEAT_LOST,
+                        f"{node} silent for {silent:.1f} s; {why}",
+                        evidence=kind,
+                    )
+                )
+        return faults
+
+    def _second_signal(self, node: str, silent_since: float) -> tuple[Evidence, str] | None:
+        named = self._named.get(node)
+        if named is not None and named[0] >= silent_since - _NAMED_SLACK_S:
+            return Evidence.PEER_REPORT, f"named by {named[1]}"
+        if self.probe is None:
+            return None
+        result = self.probe.verdict(node, since=silent_since)
+        if result is None:
+            self.probe.start(node)
+            return None
+        if not result.reachable:
+            return Evidence.PROBE, f"its slurmd: {result.detail}"
+        return None
+
+    def _watched(self) -> list[tuple[str, WorkerStep]]:
+        """Running and standby steps, not being released: the ones silence can blame."""
+        return [
+            (n, s)
+            for n, s in self.job.steps.items()
+            if n not in self.job.releasing and s.state in (WorkerState.RUNNING, WorkerState.STANDBY)
+        ]
 
     def _verdict(self, first: Fault) -> list[Fault]:
-        """At the end of the settle window: the silent nodes, else the step that exited."""
+        """At the end of the settle window: the nodes silent all along, else the step that exited."""
         job, now = self.job, self.clock.time()
+        window = self.config.fault_settle
         silent = [
             n
             for n in job.membership.active + job.membership.spares
-            if job.steps[n].poll() is None
-            and (job.steps[n].silent_for(now) or 0.0) > self.config.silence_threshold
+            if job.steps[n].poll() is None and (job.steps[n].silent_for(now) or 0.0) >= window
         ]
         if silent:
-            blamed = [
+            return [
                 Fault(
                     n,
                     Detector.HEARTBEAT_LOST,
-                    f"{n} went silent ({job.steps[n].silent_for(now):.0f} s) while {first.detail}",
+                    f"{n} went silent ({job.steps[n].silent_for(now):.1f} s) while {first.detail}",
+                    evidence=Evidence.SETTLED,
                 )
                 for n in silent
             ]
-        elif first.detector == Detector.STEP_EXITED:
-            blamed = [first]
-        else:
-            blamed = [
-                self._exit_fault(n, rc)
-                for n, s in job.live_steps().items()
-                if (rc := s.poll()) not in (None, 0)
-            ][:1]
-        return blamed + ([first] if first.detector == Detector.COLLECTIVE_FAILED else [])
+        if first.detector == Detector.STEP_EXITED:
+            return [dataclasses.replace(first, evidence=Evidence.SETTLED)]
+        return [
+            dataclasses.replace(self._exit_fault(n, rc), evidence=Evidence.SETTLED)
+            for n, s in job.live_steps().items()
+            if (rc := s.poll()) not in (None, 0)
+        ][:1]
 
     def _step_exit(self) -> Fault | None:
         for node, step in self.job.live_steps().items():
@@ -146,21 +240,27 @@ class Detectors:
         return Fault(node, Detector.STEP_EXITED, f"srun step on {node} exited with status {rc}", rc)
 
     def _silence(self) -> Fault | None:
+        """Silence past ``heartbeat_timeout`` that nothing confirmed (a frozen process on a node
+        that answers), or a step never up within ``startup_timeout``."""
         now, cfg = self.clock.time(), self.config
+        for node, step in self._watched():
+            silent = step.silent_for(now)
+            if silent is not None and silent > cfg.heartbeat_timeout:
+                return Fault(
+                    node,
+                    Detector.HEARTBEAT_LOST,
+                    f"no heartbeat from {node} for {silent:.1f} s (it still answers: hung?)",
+                    evidence=Evidence.TIMEOUT,
+                )
         for node, step in self.job.steps.items():
             if node in self.job.releasing:
                 continue
-            if step.state in (WorkerState.RUNNING, WorkerState.STANDBY):
-                silent = step.silent_for(now)
-                if silent is not None and silent > cfg.heartbeat_timeout:
-                    return Fault(
-                        node, Detector.HEARTBEAT_LOST, f"no heartbeat from {node} for {silent:.0f} s"
-                    )
-            elif step.state == WorkerState.STARTING and now - step.started > cfg.startup_timeout:
+            if step.state == WorkerState.STARTING and now - step.started > cfg.startup_timeout:
                 return Fault(
                     node,
                     Detector.STARTUP_TIMEOUT,
                     f"{node} did not report within {cfg.startup_timeout:.0f} s",
+                    evidence=Evidence.TIMEOUT,
                 )
         return None
 
@@ -185,7 +285,10 @@ class Detectors:
             self.usable[name] = node is not None and node.is_usable
             if job_nodes and name not in job_nodes:
                 return Fault(
-                    name, Detector.NODE_GONE, f"Slurm no longer lists {name} in job {self.job.job_id}"
+                    name,
+                    Detector.NODE_GONE,
+                    f"Slurm no longer lists {name} in job {self.job.job_id}",
+                    evidence=Evidence.SLURM,
                 )
             if node is not None:
                 fault = self._judge_node(node)
@@ -195,7 +298,12 @@ class Detectors:
 
     def _judge_node(self, node: Node) -> Fault | None:
         if node.is_down or "FAIL" in node.flags or not node.is_responding:
-            return Fault(node.name, Detector.NODE_DOWN, f"Slurm reports {node.name} {node.state_text}")
+            return Fault(
+                node.name,
+                Detector.NODE_DOWN,
+                f"Slurm reports {node.name} {node.state_text}",
+                evidence=Evidence.SLURM,
+            )
         if node.is_drain and node.name not in self._drains_seen:
             self._drains_seen.add(node.name)
             self.events.append(ev.DRAIN_SEEN, node=node.name, reason=node.reason or "")

@@ -287,8 +287,9 @@ class Executor:
             detector=fault.detector,
             detail=fault.detail,
             exit_code=fault.exit_code,
+            evidence=fault.evidence,
         )
-        logger.warning("fault: %s", fault.detail)
+        logger.warning("fault (%s): %s", fault.evidence or "-", fault.detail)
 
     def finish(self, state: RunState, exit_code: int, message: str) -> None:
         """End the job: spares leave, every step stops, the end is logged."""

@@ -29,7 +29,7 @@ from typing import Any
 
 from torchpass_slurm import events as ev
 from torchpass_slurm.config import NodeRole, SupervisorConfig
-from torchpass_slurm.control.bodies import Report
+from torchpass_slurm.control.bodies import Report, Stop
 from torchpass_slurm.control.messages import Kind, Message, ReportKind
 from torchpass_slurm.control.server import ControlServer
 from torchpass_slurm.errors import ControlPlaneError
@@ -40,6 +40,7 @@ from torchpass_slurm.supervisor.detect import Detectors
 from torchpass_slurm.supervisor.execute import Executor
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.plan import Policy, WorkerFacts, plan_recovery
+from torchpass_slurm.supervisor.probe import Probe
 from torchpass_slurm.supervisor.state import Clock, JobState, RunResult, RunState
 from torchpass_slurm.supervisor.status import JobStatus, NodeStatus, write_status
 from torchpass_slurm.supervisor.workers import StepLauncher, WorkerState, WorkerStep
@@ -48,8 +49,9 @@ __all__ = ["Supervisor", "RunState", "RunResult", "POLL_SLICE"]
 
 logger = logging.getLogger(__name__)
 
-#: How long one pass of the loop waits for control messages.
-POLL_SLICE = timedelta(seconds=0.5)
+#: How long one pass of the loop waits for control messages (bounds how late a
+#: detection is judged: heartbeats arrive every 0.25 s, so passes are rarely that long).
+POLL_SLICE = timedelta(seconds=0.1)
 #: How often status.json is rewritten (seconds).
 STATUS_INTERVAL_S = 1.0
 #: Reports that go to the event log as they are.
@@ -95,6 +97,7 @@ class Supervisor:
         recovery: RecoveryPolicy | str = RecoveryPolicy.LIVE,
         clock: Clock = time,
         batch_host: str | None = None,
+        probe: Probe | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.launcher = launcher
@@ -105,7 +108,10 @@ class Supervisor:
         self.store = store
         self.batch_host = socket.gethostname() if batch_host is None else batch_host
         self.job = JobState(job_id=job_id, membership=membership)
-        self.detectors = Detectors(self.job, slurm=slurm, config=config, clock=clock, events=events)
+        self.probe = probe
+        self.detectors = Detectors(
+            self.job, slurm=slurm, config=config, clock=clock, events=events, probe=probe
+        )
         self.executor = Executor(
             self.job,
             launcher=launcher,
@@ -168,6 +174,8 @@ class Supervisor:
             raise
         finally:
             self._write_status(force=True)
+            if self.probe is not None:
+                self.probe.close()
         return RunResult(job.exit_code, job.state, job.membership.epoch, job.restarts, job.message)
 
     def _recover(self, faults: list[Fault]) -> None:
@@ -212,16 +220,33 @@ class Supervisor:
     # -- messages ----------------------------------------------------------------
     def _pump(self, timeout: timedelta) -> None:
         now = self.clock.time()
-        for _peer, message in self.server.poll(timeout):
+        for peer, message in self.server.poll(timeout):
             node = message.sender.rsplit("/", 1)[0]
             step = self.job.steps.get(node)
             if step is None or step.state in (WorkerState.STOPPING, WorkerState.EXITED):
+                continue
+            if step.state == WorkerState.LOST:
+                self._fence(node, step, peer, message)
                 continue
             self._on_message(node, step, message, now)
         if self.job.state == RunState.LAUNCHING and all(
             self.job.steps[n].state == WorkerState.RUNNING for n in self.job.membership.active
         ):
             self.job.state = RunState.RUNNING
+
+    def _fence(self, node: str, step: WorkerStep, peer: bytes, message: Message) -> None:
+        """A task of a step declared lost is still talking (a partition healed, a frozen process
+        woke up): nothing it says counts. It is told to stop, once, and that is all the event
+        log hears of it (``fenced``)."""
+        if message.sender in step.fenced:
+            return
+        step.fenced.add(message.sender)
+        self.events.append(ev.FENCED, node=node, sender=message.sender, message_kind=message.kind)
+        logger.warning("fenced %s (its step on %s was declared lost): told to stop", message.sender, node)
+        try:
+            self.server.send(peer, Kind.STOP, Stop("fenced: this step was declared lost").to_body())
+        except ControlPlaneError as err:
+            logger.warning("cannot tell fenced %s to stop: %s", message.sender, err)
 
     def _on_message(self, node: str, step: WorkerStep, message: Message, now: float) -> None:
         body = message.body
@@ -255,7 +280,8 @@ class Supervisor:
         if kind == ReportKind.LIVE_READY:
             step.live = True
         elif kind == ReportKind.COLLECTIVE_FAILED:
-            if (report.epoch if report.epoch is not None else step.epoch) >= step.epoch:
+            # only a failure in the job's current epoch is news; an older one is being recovered
+            if (report.epoch if report.epoch is not None else step.epoch) >= self.job.membership.epoch:
                 self.detectors.collective_failed(node, fields.get("rank"), str(fields.get("error", "")))
         elif kind in RANK_EVENTS:
             self.events.append(kind, node=node, **fields)

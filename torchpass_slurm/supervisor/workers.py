@@ -60,6 +60,8 @@ class WorkerStep:
     heartbeats: dict[str, float] = field(default_factory=dict)
     standby_senders: set[str] = field(default_factory=set)
     hello_senders: set[str] = field(default_factory=set)
+    #: tasks that spoke after the step was declared lost (told to stop, ignored)
+    fenced: set[str] = field(default_factory=set)
     #: its ranks run the elastic loop (they can rebuild their group in place)
     live: bool = False
     last_step: int | None = None

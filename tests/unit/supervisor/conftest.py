@@ -16,7 +16,7 @@ from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.status import JobStatus, read_status
 from torchpass_slurm.supervisor.loop import RunResult, Supervisor
 
-from .fakes import ElasticRanks, FakeLauncher, FakeServer, FakeSlurm, VirtualClock, World
+from .fakes import ElasticRanks, FakeLauncher, FakeProbe, FakeServer, FakeSlurm, VirtualClock, World
 
 JOB_ID = 4242
 #: Small timings, so that every scenario plays out in well under a minute of virtual time.
@@ -34,6 +34,8 @@ class Harness:
     launcher: FakeLauncher
     supervisor: Supervisor
     run_dir: Path
+    #: the slurmd probe, when the test asked for one (``make(probe=True)``)
+    probe: FakeProbe | None = None
 
     def run(self) -> RunResult:
         try:
@@ -74,7 +76,7 @@ class Harness:
 def make(tmp_path: Path) -> Callable[..., Harness]:
     def build(*, active: int = 3, spares: int = 1, ntasks: int = 1, train_s: float | None = 8.0,
               config: SupervisorConfig = CONFIG, store: tuple[str, int] = ("", 0),
-              recovery: str = "live") -> Harness:
+              recovery: str = "live", probe: bool = False) -> Harness:
         clock = VirtualClock()
         nodes = [f"c{i}" for i in range(1, active + spares + 1)]
         slurm = FakeSlurm(clock, nodes)
@@ -83,13 +85,14 @@ def make(tmp_path: Path) -> Callable[..., Harness]:
         launcher = FakeLauncher(slurm, clock, job_id=JOB_ID)
         run_dir = tmp_path / "run"
         run_dir.mkdir()
+        prober = FakeProbe(clock) if probe else None
         events = ev.EventLog(run_dir / ev.EVENTS_FILE, job=str(JOB_ID), clock=clock.time)
         supervisor = Supervisor(job_id=JOB_ID, run_dir=run_dir,
                                 membership=Membership.initial(nodes, active, ntasks),
                                 launcher=launcher, server=server, slurm=slurm,  # type: ignore[arg-type]
                                 events=events, config=config, clock=clock, store=store,
-                                recovery=recovery)
-        return Harness(clock, slurm, server, world, launcher, supervisor, run_dir)
+                                recovery=recovery, probe=prober)
+        return Harness(clock, slurm, server, world, launcher, supervisor, run_dir, prober)
 
     return build
 
@@ -106,9 +109,10 @@ Live = Callable[..., tuple[Harness, ElasticRanks]]
 def live(make: Callable[..., Harness]) -> Live:
     """``make``'s harness with a rendezvous store, ``recovery`` and elastic ranks on ``elastic`` nodes."""
     def build(*, recovery: str = "live", elastic: set[str] | None = None, active: int = 3,
-              spares: int = 1, ntasks: int = 1, agreed_lag: int = 0) -> tuple[Harness, ElasticRanks]:
+              spares: int = 1, ntasks: int = 1, agreed_lag: int = 0,
+              probe: bool = False) -> tuple[Harness, ElasticRanks]:
         h = make(active=active, spares=spares, ntasks=ntasks, train_s=TRAIN_S, store=STORE,
-                 recovery=recovery)
+                 recovery=recovery, probe=probe)
         return h, ElasticRanks(h.world, elastic, agreed_lag=agreed_lag)
     return build
 

@@ -34,6 +34,7 @@ from torchpass_slurm.control.bodies import Report
 from torchpass_slurm.control.messages import Message, ReportKind, encode
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.slurm.models import Job, Node
+from torchpass_slurm.supervisor.probe import ProbeResult
 from torchpass_slurm.supervisor.workers import StepLauncher, WorkerStep
 
 #: Any key will do: the fake server encodes every message only to check its kind and body.
@@ -452,7 +453,9 @@ class ElasticRanks:
         world.on_greet.append(self._greeted)
         world.server.on_send.append(self._received)
 
-    def fail_collective(self, *reporters: str, at: float) -> None:
+    def fail_collective(self, *reporters: str, at: float, error: str | None = None) -> None:
+        """At ``at`` every running active rank stops committing; the reporters' tasks say
+        ``collective_failed`` with ``error`` (default: gloo's reset, naming nobody)."""
         def fail() -> None:
             stuck = [s for s in self.world.current.values()
                      if s.role == "active" and s.greeted_at is not None and s.process.poll() is None
@@ -463,7 +466,7 @@ class ElasticRanks:
                 if sim.node in reporters:
                     for sender in sim.peers:
                         self.world.send_report(sim, sender, ReportKind.COLLECTIVE_FAILED, step=sim.held,
-                                               error=GLOO_RESET, epoch=sim.epoch)
+                                               error=error or GLOO_RESET, epoch=sim.epoch)
         self.world.at(at, fail)
 
     def _elastic(self, node: str) -> bool:
@@ -540,3 +543,45 @@ class ElasticRanks:
                 sim.held = None
             self.world.send_report(sim0, sender0, ReportKind.FIRST_STEP, step=agreed + 1, epoch=epoch)
         self._later(first_step)
+
+
+def address_of(node: str) -> str:
+    """The fake cluster's address of ``cN``: 10.0.0.N."""
+    return f"10.0.0.{node.lstrip('c')}"
+
+
+def gloo_reset_by(node: str) -> str:
+    """gloo's words when the connection to ``node`` was closed (names its address)."""
+    return f"{GLOO_RESET} [{address_of(node)}]:41234"
+
+
+class FakeProbe:
+    """The slurmd probe of :mod:`torchpass_slurm.supervisor.probe` on the virtual clock: a probe
+    takes ``latency`` seconds; nodes in :attr:`gone` do not answer, the others do."""
+
+    def __init__(self, clock: VirtualClock, *, latency: float = 0.3) -> None:
+        self.clock = clock
+        self.latency = latency
+        self.gone: set[str] = set()
+        self.started: list[tuple[float, str]] = []
+        self._running: dict[str, float] = {}
+        self._done: dict[str, ProbeResult] = {}
+
+    def start(self, node: str) -> None:
+        if node not in self._running:
+            self._running[node] = self.clock.time()
+            self.started.append((self.clock.elapsed, node))
+
+    def verdict(self, node: str, since: float) -> ProbeResult | None:
+        began = self._running.get(node)
+        if began is not None and self.clock.time() >= began + self.latency:
+            del self._running[node]
+            self._done[node] = ProbeResult(began, node not in self.gone, f"{node}: fake probe")
+        result = self._done.get(node)
+        return result if result is not None and result.started >= since else None
+
+    def node_of_address(self, address: str) -> str | None:
+        return f"c{address.rsplit('.', 1)[1]}" if address.startswith("10.0.0.") else None
+
+    def close(self) -> None:
+        pass

@@ -80,7 +80,7 @@ def test_a_health_warning_drains_the_node_and_its_drain_moves_it_to_the_spare(li
 def test_a_second_health_warning_of_a_node_that_left_changes_nothing(live: Live) -> None:
     h, _ = live()
     h.world.report("c3", "health_warning", at=3.0, status="WARNING", summary="ECC")
-    h.world.report("c3", "health_warning", at=3.2, status="CRITICAL", summary="ECC")
+    h.world.report("c3", "health_warning", at=3.05, status="CRITICAL", summary="ECC")
 
     h.run()
 
