@@ -124,8 +124,9 @@ class SupervisorConfig:
     startup_timeout: float = 300.0
     #: How long stopping a healthy step may take before its srun is killed.
     stop_timeout: float = 15.0
-    #: The same for a lost step: a dead node cannot answer, and this wait delays the
-    #: migration; Slurm ends the step anyway once it declares the node down.
+    #: A lost step's srun gets SIGTERM and, this long after, SIGKILL; the recovery does not
+    #: wait for either (a dead node cannot answer). Slurm ends the step anyway once it
+    #: declares the node down.
     lost_stop_timeout: float = 0.5
 
     @classmethod

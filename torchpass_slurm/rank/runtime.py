@@ -73,7 +73,8 @@ from torchpass_slurm.rank.rankinfo import (
     promoted_rank_info,
     role_from_env,
 )
-from torchpass_slurm.rank.rendezvous import EpochRendezvous, destroy_group, make_tcp_store
+from torchpass_slurm.rank.group import abort_group_before, destroy_group
+from torchpass_slurm.rank.rendezvous import EpochRendezvous, make_tcp_store
 
 __all__ = ["init", "Runtime", "Role", "RankInfo", "ControlClientLike", "DEFAULT_PG_TIMEOUT", "make_tcp_store"]
 
@@ -126,7 +127,7 @@ class Runtime:
         self.log = _RankAdapter(logger, self)
         self._environ = environ
         self._client = client
-        self._config = config or SupervisorConfig()
+        self._config = config or SupervisorConfig.from_env(environ)
         self._heartbeat: Heartbeat | None = None
         #: messages for the supervisor, sent by the heartbeat thread
         self.outbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
@@ -348,9 +349,13 @@ class Runtime:
         """A message for an active rank (called from the heartbeat thread)."""
         if msg.kind == Kind.RECONFIGURE:
             try:
-                self.reconfigures.put(Reconfigure.from_body(msg.body))
+                body = Reconfigure.from_body(msg.body)
             except ControlPlaneError as exc:
                 self.log.warning("ignoring a malformed reconfigure: %s", exc)
+                return
+            if not body.planned:  # the old group is broken; a planned switch still needs it
+                abort_group_before(body.epoch, self.log)
+            self.reconfigures.put(body)
         elif msg.kind == Kind.STOP:
             self.log.warning("the supervisor asked this rank to stop: %s", msg.body)
             self.stop_requested.set()

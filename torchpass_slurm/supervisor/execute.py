@@ -96,7 +96,7 @@ class Executor:
             if fault.loses_node:
                 self._record(fault)
         if plan.stop:
-            self.launcher.stop([self.job.steps[n] for n in plan.stop], self.config.lost_stop_timeout)
+            self.launcher.stop_lost([self.job.steps[n] for n in plan.stop], self.config.lost_stop_timeout)
             for node in plan.stop:
                 self.orders.cancel(node)
         self._drop_spares(plan)

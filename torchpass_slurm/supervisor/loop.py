@@ -157,6 +157,7 @@ class Supervisor:
             while not job.state.ended:
                 self._pump(POLL_SLICE)
                 self.executor.orders.advance()
+                self.launcher.enforce()
                 self._reap()
                 faults = self.detectors.detect()
                 if faults:

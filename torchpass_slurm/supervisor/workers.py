@@ -123,6 +123,8 @@ class StepLauncher:
         self.command = tuple(command)
         self.control_endpoint = control_endpoint
         self.base_env = dict(base_env)
+        #: lost steps told to stop: (step, when its srun is killed if it is still there)
+        self._kill_at: list[tuple[WorkerStep, float]] = []
 
     def launch(self, node: str, membership: Membership) -> WorkerStep:
         role = membership.role_of(node)
@@ -163,6 +165,29 @@ class StepLauncher:
             process=process,
             started=self.clock.time(),
         )
+
+    def stop_lost(self, steps: Iterable[WorkerStep], timeout: float) -> None:
+        """SIGTERM the srun of steps declared lost, without waiting: a dead node cannot answer
+        and the recovery must not wait for it. :meth:`enforce` kills what is left after
+        ``timeout`` (the loop calls it every pass)."""
+        deadline = self.clock.monotonic() + timeout
+        for s in steps:
+            if s.poll() is None:
+                _signal(s.process, signal.SIGTERM)
+                self._kill_at.append((s, deadline))
+
+    def enforce(self) -> None:
+        """SIGKILL the srun of every lost step past its stop deadline."""
+        now, waiting = self.clock.monotonic(), []
+        for s, deadline in self._kill_at:
+            if s.poll() is not None:
+                continue
+            if now < deadline:
+                waiting.append((s, deadline))
+                continue
+            logger.warning("lost step on %s did not stop; killing its srun", s.node)
+            _signal(s.process, signal.SIGKILL)
+        self._kill_at = waiting
 
     def stop(self, steps: Iterable[WorkerStep], timeout: float) -> None:
         """SIGTERM every step's srun (srun forwards it to the tasks); SIGKILL after ``timeout``."""

@@ -204,6 +204,11 @@ class FakeLauncher(StepLauncher):
         self.stops.append(([s.node for s in steps], timeout))
         super().stop(steps, timeout)
 
+    def stop_lost(self, steps: Iterable[WorkerStep], timeout: float) -> None:
+        steps = list(steps)
+        self.stops.append(([s.node for s in steps], timeout))
+        super().stop_lost(steps, timeout)
+
 
 @dataclass(frozen=True)
 class Sent:

@@ -9,6 +9,8 @@ test_live.py). The timings are virtual seconds (conftest.CONFIG).
 
 from __future__ import annotations
 
+import signal
+
 from torchpass_slurm import events as ev
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.control.bodies import Report
@@ -82,6 +84,11 @@ def test_a_silent_node_whose_slurmd_does_not_answer_is_blamed_by_the_probe(live:
     assert at_of(h, fault) <= 3.0 + CONFIG.silence_threshold + probe.latency + 2 * PASS
     assert [n for _, n in probe.started] == ["c2"]  # only the silent node was probed
     assert_one_live_migration(h, "c2")
+    # the recovery started in the same pass: nobody waited for the dead node's srun to stop
+    (started,) = h.of_kind(ev.MIGRATION_STARTED)
+    assert at_of(h, started) == at_of(h, fault)
+    srun = next(l.process for l in h.slurm.launches if l.node == "c2")
+    assert srun.signals == [signal.SIGTERM, signal.SIGKILL]  # it ignored SIGTERM; killed later
 
 
 def test_silence_that_nothing_confirms_waits_for_the_heartbeat_timeout(live: Live) -> None:
