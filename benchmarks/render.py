@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import detection
 from benchmarks.runs import UNPLANNED_SHORT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -175,13 +176,16 @@ def tables(results: Mapping[str, Any]) -> str:
     sections = (("overhead", "Steady-state overhead", overhead_table, "bench-overhead.png"),
                 ("recovery", "Recovery-time split, one fault of each kind", recovery_table,
                  "bench-recovery.png"),
+                ("detection", "Detection and recovery by kind of fault, current and previous settings",
+                 detection.table, None),
                 ("completion", "Job completion time with node failures", completion_table,
                  "bench-completion.png"),
                 ("transfer", "State transfer against raw TCP, c4 to c5", transfer_table,
                  "bench-transfer.png"))
     for key, title, render, image in sections:
         if key in results:
-            lines += [f"### {title}", "", *render(results[key]), "", f"![{title}](img/{image})", ""]
+            lines += [f"### {title}", "", *render(results[key]), ""]
+            lines += [f"![{title}](img/{image})", ""] if image else []
     return "\n".join(lines).rstrip() + "\n"
 
 

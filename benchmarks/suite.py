@@ -1,6 +1,6 @@
 """The benchmark suite: every comparison on the dockerized cluster, in one run.
 
-    scripts/bench [--quick] [--only overhead,recovery,completion,transfer]
+    scripts/bench [--quick] [--only overhead,recovery,detection,completion,transfer]
     python3 -m benchmarks.suite ...   (the same; scripts/bench checks the Python environment first)
 
 It starts the dockerized cluster if it is not running, and then takes it down again.
@@ -25,11 +25,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks import jobs, render, runs
+from benchmarks import detection, jobs, render, runs
 from scripts.devcluster import ClusterError
 
-PARTS = {"overhead": runs.overhead, "recovery": runs.recovery, "completion": runs.completion,
-         "transfer": runs.transfer}
+PARTS = {"overhead": runs.overhead, "recovery": runs.recovery, "detection": detection.detection,
+         "completion": runs.completion, "transfer": runs.transfer}
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "suite.json"
 
 
