@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from torchpass_slurm.control.bodies import PromoteMode, Reconfigure
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.errors import CollectiveError, TransferError
-from torchpass_slurm.rank.rendezvous import destroy_group
+from torchpass_slurm.rank.group import destroy_group, release_references
 from torchpass_slurm.rank.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -171,7 +171,7 @@ class ElasticTrainer:
 
         if dist.is_initialized() and not self.released:
             dist.barrier()
-            dist.destroy_process_group()
+            destroy_group(self.rt.log)
 
     def fit(
         self,
@@ -265,6 +265,7 @@ class ElasticTrainer:
         if not is_comm_error(exc) or self.rt.role.value == "plain":
             raise exc  # a bug, or no supervisor to reconfigure the group (plain srun/torchrun)
         self.rt.log.warning("collective failed at step %d: %s", self.step, str(exc)[:200])
+        self._tear_down(exc)
         self.rt.report(
             ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(exc)[:200], epoch=self.rt.epoch
         )
@@ -280,9 +281,22 @@ class ElasticTrainer:
                 if not is_comm_error(again):
                     raise
                 self.rt.log.warning("recovery of epoch %s failed: %s", body.epoch, again)
+                self._tear_down(again)
                 self.rt.report(
                     ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(again)[:200], epoch=self.rt.epoch
                 )
+
+    def _tear_down(self, exc: Exception) -> None:
+        """Close the broken group's sockets now, so no peer waits on this rank until its timeout.
+
+        Everything that holds the group goes first (the DDP wrapper, the
+        failed call's frames): gloo closes its pairs only with the group's
+        last reference, not on destroy (``rank/group.py``). The group is never
+        reused; :meth:`Runtime.rejoin` builds the next epoch's.
+        """
+        self.ddp_model = self.model
+        release_references(exc)
+        destroy_group(self.rt.log)
 
     def _reconfigure(self, body: Reconfigure) -> None:
         if self.rt.rank in body.leave:

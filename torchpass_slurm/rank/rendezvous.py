@@ -16,9 +16,10 @@ import time
 from typing import Any
 
 from torchpass_slurm.errors import ConfigError, RendezvousTimeout
+from torchpass_slurm.rank.group import adopt_group
 from torchpass_slurm.rank.rankinfo import RankInfo
 
-__all__ = ["EpochRendezvous", "destroy_group", "make_tcp_store"]
+__all__ = ["EpochRendezvous", "make_tcp_store"]
 
 #: How often a rank that counted in polls the store for the others (seconds).
 POLL_S = 0.05
@@ -49,6 +50,7 @@ class EpochRendezvous:
             dist.init_process_group(
                 backend=backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
             )
+            adopt_group(info.epoch)
             self.log.info(
                 "process group up: backend=%s store=%s:%s epoch %d",
                 backend,
@@ -65,6 +67,7 @@ class EpochRendezvous:
         dist.init_process_group(
             backend=backend, init_method="env://", rank=info.rank, world_size=info.world_size, timeout=timeout
         )
+        adopt_group(info.epoch)
         self.log.info(
             "process group up: backend=%s master=%s:%s", backend, info.master_addr, info.master_port
         )
@@ -93,17 +96,6 @@ def _await_all_ranks(store: Any, info: RankInfo, wait: datetime.timedelta) -> No
                 f"{joined} of {info.world_size} ranks arrived"
             )
         time.sleep(POLL_S)
-
-
-def destroy_group(log: logging.LoggerAdapter[logging.Logger]) -> None:
-    """Destroy the current process group, if any; a group broken by a dead peer may complain."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except RuntimeError as exc:  # torch's errors (DistError too) are RuntimeErrors; it is gone anyway
-            log.debug("destroying the process group: %r", exc)
 
 
 def make_tcp_store(host: str, port: int, *, is_master: bool, timeout: datetime.timedelta) -> Any:

@@ -56,6 +56,7 @@ from torchpass_slurm.config import (
 from torchpass_slurm.control.bodies import Promote, Reconfigure
 from torchpass_slurm.control.messages import Kind, ReportKind
 from torchpass_slurm.errors import ControlPlaneError
+from torchpass_slurm.rank.group import destroy_group, superseding
 from torchpass_slurm.rank.link import (
     ClientFactory,
     ControlClientLike,
@@ -73,7 +74,6 @@ from torchpass_slurm.rank.rankinfo import (
     promoted_rank_info,
     role_from_env,
 )
-from torchpass_slurm.rank.group import abort_group_before, destroy_group
 from torchpass_slurm.rank.rendezvous import EpochRendezvous, make_tcp_store
 
 __all__ = ["init", "Runtime", "Role", "RankInfo", "ControlClientLike", "DEFAULT_PG_TIMEOUT", "make_tcp_store"]
@@ -348,14 +348,10 @@ class Runtime:
     def _on_message(self, msg: Message) -> None:
         """A message for an active rank (called from the heartbeat thread)."""
         if msg.kind == Kind.RECONFIGURE:
-            try:
-                body = Reconfigure.from_body(msg.body)
+            try:  # the group it supersedes is aborted before the training thread hears of it
+                self.reconfigures.put(superseding(Reconfigure.from_body(msg.body), self.log))
             except ControlPlaneError as exc:
                 self.log.warning("ignoring a malformed reconfigure: %s", exc)
-                return
-            if not body.planned:  # the old group is broken; a planned switch still needs it
-                abort_group_before(body.epoch, self.log)
-            self.reconfigures.put(body)
         elif msg.kind == Kind.STOP:
             self.log.warning("the supervisor asked this rank to stop: %s", msg.body)
             self.stop_requested.set()

@@ -1,0 +1,247 @@
+"""Issue 12, item 4: no survivor waits in a dead collective.
+
+A rank whose collective failed tears its group down at once (the DDP
+wrapper and the failed call's frames first, then the group), so a peer that
+waits on it leaves within milliseconds, not at its collective timeout; an
+unplanned reconfigure aborts the old group where the torch in use can.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import socket
+import time
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchpass_slurm.control.bodies import Reconfigure
+from torchpass_slurm.rank import elastic, group
+from torchpass_slurm.rank.elastic import ElasticTrainer
+from torchpass_slurm.rank.runtime import RankInfo, Role, Runtime, make_tcp_store
+
+GLOO_RESET = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                          "Connection closed by peer [10.0.0.2]:41234")
+LOG = logging.LoggerAdapter(logging.getLogger(__name__), {})
+#: The peer's collective timeout: far longer than the test may wait for it to leave.
+PEER_TIMEOUT_S = 60
+#: How long the failed rank waits for a reconfigure that never comes (the old code's only exit).
+NO_RECONFIGURE_S = 6
+#: A peer must leave its collective within this of the other rank's failure.
+LEAVE_WITHIN_S = 2.5
+JOIN_TIMEOUT_S = 60
+
+
+class FakeClient:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    def send(self, kind: str, body: dict[str, Any]) -> None:
+        self.sent.append((kind, body))
+
+    def recv(self, timeout: datetime.timedelta) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def info(rank: int, world: int, port: int, epoch: int = 0) -> RankInfo:
+    return RankInfo(rank=rank, world_size=world, local_rank=0, local_world_size=1, master_addr=None,
+                    master_port=None, epoch=epoch, store_addr="127.0.0.1", store_port=port)
+
+
+@pytest.fixture
+def store() -> Iterator[int]:
+    port = free_port()
+    keep = make_tcp_store("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=30))
+    try:
+        yield port
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        del keep
+
+
+# --- the teardown, in one process --------------------------------------------------------------
+
+
+def test_a_failed_collective_drops_the_ddp_wrapper_and_destroys_the_group_before_waiting(
+        store: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = Runtime(Role.ACTIVE, info(0, 1, store), environ={}, client=FakeClient())
+    model = nn.Linear(4, 1)
+    trainer = ElasticTrainer(rt, model, torch.optim.SGD(model.parameters(), lr=0.1), state={})
+    trainer.start()
+    trainer.ddp_model = nn.parallel.DistributedDataParallel(model)  # one rank: start() does not wrap
+    wrapper = weakref.ref(trainer.ddp_model)
+    seen: list[tuple[bool, bool, bool]] = []
+    real_wait = rt.wait_reconfigure
+
+    def wait_reconfigure(timeout: datetime.timedelta) -> Reconfigure | None:
+        if failed:  # what holds the old group while the trainer waits for the supervisor
+            seen.append((dist.is_initialized(), trainer.ddp_model is model, wrapper() is None))
+            rt.reconfigures.put(Reconfigure(epoch=1, world_size=1, store_addr="127.0.0.1",
+                                            store_port=store))
+            failed.clear()
+        return real_wait(timeout)
+    monkeypatch.setattr(rt, "wait_reconfigure", wait_reconfigure)
+    failed: list[bool] = []
+
+    def train_step(step: int, m: nn.Module) -> torch.Tensor:
+        loss = m(torch.ones(2, 4)).pow(2).mean()
+        loss.backward()
+        if step == 1 and not trainer.migrations:
+            failed.append(True)
+            raise GLOO_RESET  # its frame holds the DDP wrapper ``m``
+        return loss
+
+    trainer.fit(train_step, steps=3)
+
+    assert seen and seen[0] == (False, True, True)
+    assert (trainer.migrations, rt.epoch, trainer.step) == (1, 1, 3)  # rejoin found no group: fine
+
+
+def test_destroying_a_group_that_is_already_gone_is_a_no_op() -> None:
+    assert not dist.is_initialized()
+    group.destroy_group(LOG)
+    group.destroy_group(LOG)
+
+
+# --- the teardown between real gloo processes ----------------------------------------------------
+
+
+def _failing_rank(port: int, out: str) -> None:
+    """Rank 0: its first step fails (a dead peer, as it saw it); no reconfigure ever comes."""
+    os.environ["TORCHPASS_COLLECTIVE_TIMEOUT"] = str(PEER_TIMEOUT_S)
+    elastic.RECONFIGURE_TIMEOUT = datetime.timedelta(seconds=NO_RECONFIGURE_S)
+    rt = Runtime(Role.ACTIVE, info(0, 2, port), environ={}, client=FakeClient())
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    trainer = ElasticTrainer(rt, model, torch.optim.SGD(model.parameters(), lr=0.1), state={})
+
+    def train_step(step: int, m: nn.Module) -> torch.Tensor:
+        Path(out, "failed").write_text(repr(time.monotonic()))
+        raise GLOO_RESET
+
+    try:
+        trainer.fit(train_step, steps=1)
+    except RuntimeError:
+        pass
+    os._exit(0)
+
+
+def _waiting_rank(port: int, out: str) -> None:
+    """Rank 1: a survivor in an all-reduce that rank 0 never joins; when did it leave?"""
+    rt = Runtime(Role.ACTIVE, info(1, 2, port), environ={}, client=FakeClient())
+    rt.init_process_group("gloo", datetime.timedelta(seconds=PEER_TIMEOUT_S))
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))  # matches rank 0's wrap
+    try:
+        dist.all_reduce(torch.ones(4))
+    except RuntimeError as exc:
+        Path(out, "left").write_text(repr(time.monotonic()))
+        Path(out, "error").write_text(str(exc))
+    del ddp
+    os._exit(0)
+
+
+def test_a_survivor_leaves_its_collective_once_its_failed_peer_tears_down(
+        store: int, tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=f, args=(store, str(tmp_path))) for f in (_failing_rank, _waiting_rank)]
+    for p in procs:
+        p.start()
+    procs[1].join(JOIN_TIMEOUT_S)  # the waiting rank exits once it left; the failed one may wait on
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+    failed = float((tmp_path / "failed").read_text())
+    left = float((tmp_path / "left").read_text())
+    assert left - failed < LEAVE_WITHIN_S, (left - failed, (tmp_path / "error").read_text())
+
+
+# --- the abort -----------------------------------------------------------------------------------
+
+
+class FakeGroup:
+    def __init__(self) -> None:
+        self.aborts = 0
+
+    def abort(self) -> None:
+        self.aborts += 1
+
+
+class OldGroup:
+    """A torch 2.6 group: no abort."""
+
+
+def test_a_newer_epoch_aborts_the_old_group_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    old = FakeGroup()
+    monkeypatch.setattr(group, "_live", group._Live(old, epoch=0))
+
+    assert group.abort_group_before(1, LOG)
+    assert not group.abort_group_before(2, LOG)  # aborted already
+    assert old.aborts == 1
+
+
+def test_a_group_of_the_reconfigured_epoch_is_never_aborted(monkeypatch: pytest.MonkeyPatch) -> None:
+    new = FakeGroup()  # the training thread has already rejoined epoch 2
+    monkeypatch.setattr(group, "_live", group._Live(new, epoch=2))
+
+    assert not group.abort_group_before(2, LOG)
+    assert not group.abort_group_before(1, LOG)  # a late reconfigure of an older epoch
+    assert new.aborts == 0
+
+
+def test_no_abort_while_the_training_thread_destroys_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    old = FakeGroup()
+    monkeypatch.setattr(group, "_live", group._Live(old, epoch=0))
+    with group._lock:  # the training thread is in destroy_group: it has left its collective
+        began = time.monotonic()
+        assert not group.abort_group_before(1, LOG)
+        assert time.monotonic() - began < 0.5  # the heartbeat thread did not wait
+    assert old.aborts == 0
+
+
+def test_the_abort_is_a_no_op_when_torch_cannot_abort(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(group, "_live", group._Live(OldGroup(), epoch=0))
+    assert not group.can_abort(OldGroup())
+    assert not group.abort_group_before(1, LOG)
+    monkeypatch.setattr(group, "_live", None)  # no group at all (a spare, or torn down)
+    assert not group.abort_group_before(1, LOG)
+
+
+class Msg:
+    def __init__(self, kind: str, body: dict[str, Any]) -> None:
+        self.kind, self.body = kind, body
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["unplanned", "planned"])
+def test_only_an_unplanned_reconfigure_aborts_the_old_group(
+        planned: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    old = FakeGroup()
+    monkeypatch.setattr(group, "_live", group._Live(old, epoch=0))
+    rt = Runtime(Role.ACTIVE, info(0, 2, 1), environ={}, client=FakeClient())
+    body = Reconfigure(epoch=1, world_size=2, store_addr="127.0.0.1", store_port=1, planned=planned)
+
+    rt._on_message(Msg("reconfigure", body.to_body()))
+
+    assert old.aborts == (0 if planned else 1)  # a planned switch votes on the old group first
+    assert rt.reconfigures.get_nowait().epoch == 1
