@@ -82,7 +82,7 @@ TRANSFER_DONE = "transfer_done"  # a receiver: state received (donor=, bytes=, s
 FIRST_STEP = "first_step"  # rank 0: the first step of the new epoch committed (step=)
 MIGRATION_DONE = "migration_done"  # supervisor: resolution=live|checkpoint|regroup, lost_steps=, planned=
 HEALTH_WARNING = "health_warning"  # a node's in-job agent saw WARNING/CRITICAL (status=, summary=)
-FENCED = "fenced"  # a task of a step declared lost spoke again; ignored and told to stop (sender=)
+FENCED = "fenced"  # a task of a lost step spoke again: ignored, told to stop (node=, sender=, message_kind=)
 DRAIN_DEFERRED = "drain_deferred"  # a drained node keeps its ranks until the job ends (reason=, detail=)
 NODE_RELEASED = (
     "node_released"  # a drained or lost node left the job (released=true|false, reason=drained|lost)

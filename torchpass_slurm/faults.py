@@ -86,9 +86,10 @@ class Evidence(StrEnum):
     PROBE = "probe"
     #: the settle window ended: the silent node, else the step that exited
     SETTLED = "settled"
-    #: silent past ``heartbeat_timeout`` with nothing else to confirm it (a hung or frozen process)
+    #: silent past ``heartbeat_timeout`` with nothing else to confirm it (a hung or frozen
+    #: process), or a step never up within ``startup_timeout``
     TIMEOUT = "timeout"
-    #: Slurm said so (node state, job node list), or the step never came up
+    #: Slurm said so (node state, job node list)
     SLURM = "slurm"
 
 

@@ -229,9 +229,13 @@ class Detectors:
         ][:1]
 
     def _step_exit(self) -> Fault | None:
+        """The first step that exited with an error, or a spare's that exited at all (nobody
+        told it to: a stopped spare's step is STOPPING, not watched)."""
         for node, step in self.job.live_steps().items():
             rc = step.poll()
-            if rc is not None and rc != 0 and node not in self.job.releasing:
+            if rc is None or node in self.job.releasing:
+                continue
+            if rc != 0 or step.state == WorkerState.STANDBY:
                 return self._exit_fault(node, rc)
         return None
 
