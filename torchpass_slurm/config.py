@@ -124,6 +124,10 @@ class SupervisorConfig:
     startup_timeout: float = 300.0
     #: How long stopping a healthy step may take before its srun is killed.
     stop_timeout: float = 15.0
+    #: How far ahead, in seconds of training, a planned switch (a drain) is announced: the
+    #: ranks switch after step "highest step now + this many seconds of steps + 1", which
+    #: every rank hears of before it gets there (the control plane takes milliseconds).
+    switch_lead: float = 1.0
     #: A lost step's srun gets SIGTERM and, this long after, SIGKILL; the recovery does not
     #: wait for either (a dead node cannot answer). Slurm ends the step anyway once it
     #: declares the node down.

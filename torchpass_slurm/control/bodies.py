@@ -88,8 +88,9 @@ class Promote:
 class Reconfigure:
     """Supervisor -> the ranks that stay: rebuild the process group for ``epoch``.
 
-    ``planned``: switch after the next committed step (a drain), and the ranks
-    in ``leave`` hand over and leave instead.
+    ``planned``: a drain. Every rank switches after committing step
+    ``switch_after`` (announced far enough ahead that all hear of it first),
+    and the ranks in ``leave`` hand over and leave instead.
     """
 
     epoch: int
@@ -98,6 +99,7 @@ class Reconfigure:
     store_port: int
     planned: bool = False
     leave: tuple[int, ...] = ()
+    switch_after: int | None = None
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -108,6 +110,8 @@ class Reconfigure:
         }
         if self.planned:
             body.update(planned=True, leave=list(self.leave))
+            if self.switch_after is not None:
+                body["switch_after"] = self.switch_after
         return body
 
     @classmethod
@@ -122,6 +126,9 @@ class Reconfigure:
             store_port=_field(body, "store_port", int, "reconfigure"),
             planned=body.get("planned") is True,
             leave=tuple(leave),
+            switch_after=None
+            if body.get("switch_after") is None
+            else _field(body, "switch_after", int, "reconfigure"),
         )
 
 

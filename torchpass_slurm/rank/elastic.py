@@ -186,7 +186,6 @@ class ElasticTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             try:
                 loss = train_step(self.step, self.ddp_model)
-                planned = self._vote()
             except Exception as exc:  # judged at the step boundary: a failed collective, or a bug
                 self._recover_or_raise(exc)
                 continue
@@ -197,26 +196,27 @@ class ElasticTrainer:
                 except Exception as exc:  # judged the same way; the step stays committed
                     self._recover_or_raise(exc)
                     continue
-            if planned:
-                self._switch_planned(planned)
+            switch = self._planned_switch_due()
+            if switch is not None:
+                self._reconfigure(switch)
         return loss
 
-    def _vote(self) -> int:
-        """The commit vote: every rank has its reduced gradients once this all-reduce returns.
+    def _planned_switch_due(self) -> Reconfigure | None:
+        """A planned migration whose switch step this rank has committed, if any.
 
-        It also carries the highest planned epoch any rank has been told of, so
-        that every rank switches to it after the same step.
+        The supervisor announces a drain as "switch after step S", S far enough
+        ahead that every rank hears of it first, so no collective is needed to
+        agree on it. A rank that heard too late finds its next collective
+        failing (the others left the group) and joins the new epoch through
+        the recovery path, at the step it committed last; the agreement there
+        takes the highest step anyway.
         """
-        import torch
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            return 0
         self._collect_reconfigures()
-        planned = max((b.epoch for b in self._pending if b.planned), default=0)
-        flag = torch.tensor([planned], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        for body in sorted(self._pending, key=lambda b: b.epoch):
+            if body.planned and body.epoch > self.rt.epoch and self.step >= (body.switch_after or self.step):
+                self._pending = [b for b in self._pending if b.epoch > body.epoch]
+                return body
+        return None
 
     def _collect_reconfigures(self) -> None:
         while True:
@@ -240,15 +240,6 @@ class ElasticTrainer:
             got = self.rt.wait_reconfigure(datetime.timedelta(seconds=min(left, 0.5)))
             if got is not None:
                 self._pending.append(got)
-
-    def _switch_planned(self, epoch: int) -> None:
-        """A planned migration (an admin drain): leave, or move to the epoch, after this step."""
-        body = self._next_reconfigure(RECONFIGURE_TIMEOUT, epoch)
-        if body is None:
-            raise RuntimeError(
-                f"the supervisor announced epoch {epoch} but sent no reconfigure within {RECONFIGURE_TIMEOUT}"
-            )
-        self._reconfigure(body)
 
     def _commit(self) -> None:
         self.optimizer.step()

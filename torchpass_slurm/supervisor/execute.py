@@ -155,6 +155,8 @@ class Executor:
         (fault,), (spare,) = plan.lost, plan.promoted
         old, new = self.job.membership, plan.membership
         committed = self.job.committed(list(old.active))
+        # every rank must hear of the switch before it commits that step
+        switch_after = (committed or 0) + self.job.progress.steps_ahead(self.config.switch_lead)
         self.change_membership(new)
         self.events.append(
             ev.MIGRATION_STARTED,
@@ -164,6 +166,7 @@ class Executor:
             reason=fault.detail,
             last_heartbeat=None,
             committed_step=committed,
+            switch_after=switch_after,
         )
         self.events.append(
             ev.SPARE_PROMOTED,
@@ -180,7 +183,9 @@ class Executor:
             planned=True,
         )
         self.job.releasing.add(fault.node)
-        self.orders.reconfigure(list(old.active), leave=tuple(old.ranks_of(fault.node)))
+        self.orders.reconfigure(
+            list(old.active), leave=tuple(old.ranks_of(fault.node)), switch_after=switch_after
+        )
         self.orders.promote(spare, PromoteMode.LIVE)
         self.job.state = RunState.RECOVERING
 

@@ -230,6 +230,9 @@ class Supervisor:
                 self._fence(node, step, peer, message)
                 continue
             self._on_message(node, step, message, now)
+        self.job.progress.observe(
+            self.clock.monotonic(), self.job.committed(list(self.job.membership.active))
+        )
         if self.job.state == RunState.LAUNCHING and all(
             self.job.steps[n].state == WorkerState.RUNNING for n in self.job.membership.active
         ):

@@ -94,10 +94,13 @@ class Orders:
             )
             self.send(sender, Kind.PROMOTE, body.to_body())
 
-    def reconfigure(self, nodes: list[str], *, leave: tuple[int, ...] | None = None) -> None:
+    def reconfigure(
+        self, nodes: list[str], *, leave: tuple[int, ...] | None = None, switch_after: int | None = None
+    ) -> None:
         """Tell the ranks on ``nodes`` to rebuild their group for the current epoch.
 
-        ``leave``: a planned migration; these ranks hand over and leave.
+        ``leave``: a planned migration; these ranks hand over and leave, and every rank
+        switches after committing step ``switch_after``.
         """
         m = self.job.membership
         body = Reconfigure(
@@ -107,6 +110,7 @@ class Orders:
             store_port=self.store_port,
             planned=leave is not None,
             leave=leave or (),
+            switch_after=switch_after,
         ).to_body()
         for node in nodes:
             step = self.job.steps[node]

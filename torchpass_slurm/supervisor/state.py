@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from torchpass_slurm.faults import Resolution
 from torchpass_slurm.strenum import StrEnum
 from torchpass_slurm.supervisor.membership import Membership
+from torchpass_slurm.supervisor.progress import Progress
 from torchpass_slurm.supervisor.workers import Clock, WorkerState, WorkerStep
 
 __all__ = ["Clock", "RunState", "RunResult", "Migration", "JobState"]
@@ -72,6 +73,8 @@ class JobState:
     released: set[str] = field(default_factory=set)
     exit_code: int = 1
     message: str = ""
+    #: the training's pace, from the highest step heartbeats carry
+    progress: Progress = field(default_factory=Progress)
 
     def live_steps(self) -> dict[str, WorkerStep]:
         """Steps still worth watching: not stopped, not ended, not lost."""

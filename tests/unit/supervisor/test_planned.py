@@ -33,9 +33,12 @@ def test_a_drained_node_hands_over_to_the_spare_at_a_step_boundary_and_leaves_th
     assert started.epoch == 1 and at_of(h, started) >= at_of(h, seen)
     assert {k: started.fields[k] for k in ("failed", "spares", "mode", "reason")} == {
         "failed": ["c2"], "spares": ["c4"], "mode": "planned", "reason": DRAIN_REASON}
+    # the switch is announced ahead: a step each virtual second, so the lead of
+    # CONFIG.switch_lead (1 s) is one step, plus one
+    assert started.fields["switch_after"] == started.fields["committed_step"] + 2
     # every rank of epoch 0 is told; the drained node's ranks (2, 3) are told to leave
     planned = {"epoch": 1, "world_size": 6, "store_addr": "c1", "store_port": 29400,
-               "planned": True, "leave": [2, 3]}
+               "planned": True, "leave": [2, 3], "switch_after": started.fields["switch_after"]}
     assert sent(h, msg.RECONFIGURE) == [(f"{n}/{i}", planned) for n in ("c1", "c2", "c3")
                                         for i in range(2)]
     assert [(p["to"], p["rank"], p["mode"]) for p in h.promotes()] == [
