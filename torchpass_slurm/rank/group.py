@@ -109,8 +109,8 @@ def release_references(exc: BaseException) -> None:
 def superseding(body: Reconfigure, log: logging.LoggerAdapter[logging.Logger]) -> Reconfigure:
     """Abort the group an unplanned reconfigure supersedes (from the heartbeat thread); ``body``.
 
-    A planned one is left alone: the ranks vote and move the state on the old
-    group before they switch.
+    A planned one is left alone: the old group trains on until the announced
+    switch step, and the ranks leave it in order.
     """
     if not body.planned:
         abort_group_before(body.epoch, log)
