@@ -124,6 +124,10 @@ class SupervisorConfig:
     startup_timeout: float = 300.0
     #: How long stopping a healthy step may take before its srun is killed.
     stop_timeout: float = 15.0
+    #: A live, planned or regroup recovery that has not reached its first step this long
+    #: after it started goes back to the planner, which restarts every rank from the
+    #: checkpoint (a recovery waiting on a rank that will never come must not hang the job).
+    recovery_timeout: float = 60.0
     #: How far ahead, in seconds of training, a planned switch (a drain) is announced: the
     #: ranks switch after step "highest step now + this many seconds of steps + 1", which
     #: every rank hears of before it gets there (the control plane takes milliseconds).

@@ -10,6 +10,7 @@ A :class:`Fault` is what a detector saw (``detector``) on one node. Its
     node_down           unplanned     Slurm reports the node DOWN / FAIL / NOT_RESPONDING
     node_gone           unplanned     Slurm no longer lists the node in the job
     collective_failed   unplanned     a rank's collective failed (the culprit is found by settling)
+    recovery_stalled    unplanned     a recovery did not reach its first step within recovery_timeout
     health_warning      pre-emptive   the node's in-job health agent saw WARNING / CRITICAL
     drain               planned       an admin drained the node (``scontrol``, ``tp drain``)
 
@@ -48,6 +49,7 @@ class Detector(StrEnum):
     NODE_DOWN = "node_down"
     NODE_GONE = "node_gone"
     COLLECTIVE_FAILED = "collective_failed"
+    RECOVERY_STALLED = "recovery_stalled"
     HEALTH_WARNING = "health_warning"
     DRAIN = "drain"
 

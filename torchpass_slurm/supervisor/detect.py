@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from torchpass_slurm import events as ev
 from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.errors import SlurmError
-from torchpass_slurm.faults import Detector, Evidence, Fault
+from torchpass_slurm.faults import Detector, Evidence, Fault, Resolution
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.slurm.models import Node
 from torchpass_slurm.supervisor.probe import Probe
@@ -137,8 +137,24 @@ class Detectors:
         if suspicion is not None:
             self._settle = _Settle(suspicion, self.clock.monotonic() + self.config.fault_settle)
             return []
-        fault = self._silence() or self._watch_slurm()
+        fault = self._silence() or self._stalled_recovery() or self._watch_slurm()
         return [fault] if fault is not None else []
+
+    def _stalled_recovery(self) -> Fault | None:
+        """A live, planned or regroup recovery past ``recovery_timeout`` without its first step."""
+        migration = self.job.migration
+        if migration is None or migration.resolution not in (Resolution.LIVE, Resolution.REGROUP):
+            return None
+        waited = self.clock.time() - migration.started
+        if waited <= self.config.recovery_timeout:
+            return None
+        node = self.job.membership.node_of_rank(0)
+        return Fault(
+            node,
+            Detector.RECOVERY_STALLED,
+            f"the recovery to epoch {migration.epoch} has not reached its first step after {waited:.0f} s",
+            evidence=Evidence.TIMEOUT,
+        )
 
     def _judged(self, blamed: list[Fault], first: Fault | None = None) -> list[Fault]:
         """Close any open suspicion: the faults of this detection, with the failed collective

@@ -13,6 +13,8 @@ carries the plan out. The decision, for the faults of one detection::
     unplanned      active           no spare, a node dead, or too many        give up
                                     in-place restarts
     unplanned      - (a collective failed and the settle blamed nobody)       regroup
+    unplanned      - (a recovery stalled past recovery_timeout)               restart in place
+                                                                              (give up past the limit)
     pre-emptive    active           -                                         drain it (its drain moves it)
     planned        a spare          -                                         drop the spare
     planned        active           not the batch host, live migration        planned migration
@@ -175,6 +177,9 @@ def _plan_unplanned(
     after_drop = membership.without_spares(dropped) if dropped else membership
     base = Plan(Action.NOTHING, membership, faults=faults, lost=lost, dropped=dropped, release=release)
     if not lost:
+        stalled = [f for f in faults if f.detector == Detector.RECOVERY_STALLED]
+        if stalled:
+            return _plan_stalled(dataclasses.replace(base, membership=after_drop), stalled[0], policy)
         if any(f.detector == Detector.COLLECTIVE_FAILED for f in faults):
             detail = next(f.detail for f in faults if f.detector == Detector.COLLECTIVE_FAILED)
             return dataclasses.replace(
@@ -203,6 +208,19 @@ def _plan_unplanned(
     else:
         detail = f"{first.detail}; no hot spare left, the job cannot continue (submit with more --spares)"
     return dataclasses.replace(base, action=Action.GIVE_UP, detail=detail, exit_code=first.exit_code or 1)
+
+
+def _plan_stalled(base: Plan, fault: Fault, policy: Policy) -> Plan:
+    """A recovery that cannot finish: every rank restarts in place from the checkpoint."""
+    if policy.in_place_restarts < policy.max_in_place_restarts:
+        return dataclasses.replace(
+            base,
+            action=Action.RESTART_IN_PLACE,
+            detail=fault.detail,
+            membership=base.membership.next_epoch(base.membership.epoch),
+        )
+    detail = f"{fault.detail}; {policy.in_place_restarts} in-place restarts already: giving up"
+    return dataclasses.replace(base, action=Action.GIVE_UP, detail=detail)
 
 
 def _plan_warning(fault: Fault, membership: Membership) -> Plan:

@@ -90,4 +90,4 @@ class JobState:
 
     def last_heartbeat(self, nodes: list[str]) -> float | None:
         """When these nodes were last heard from: the start of the detection phase."""
-        return max((self.steps[n].last_heartbeat or 0.0) for n in nodes) or None
+        return max(((self.steps[n].last_heartbeat or 0.0) for n in nodes), default=0.0) or None

@@ -9,7 +9,9 @@ test_live.py). The timings are virtual seconds (conftest.CONFIG).
 
 from __future__ import annotations
 
+import dataclasses
 import signal
+from collections.abc import Callable
 
 from torchpass_slurm import events as ev
 from torchpass_slurm.control import messages as msg
@@ -17,8 +19,8 @@ from torchpass_slurm.control.bodies import Report
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.supervisor.loop import POLL_SLICE, RunState
 
-from .conftest import CONFIG, Harness, Live, at_of
-from .fakes import FakeProbe, gloo_reset_by
+from .conftest import CONFIG, STORE, TRAIN_S, Harness, Live, at_of
+from .fakes import ElasticRanks, FakeProbe, gloo_reset_by
 
 #: One pass of the loop: the latest a fault may be judged after its evidence is there.
 PASS = POLL_SLICE.total_seconds() + 1e-6
@@ -155,3 +157,24 @@ def test_a_survivors_report_of_an_epoch_already_recovered_is_old_news(live: Live
 
     assert (result.state, result.epoch) == (RunState.SUCCEEDED, 1)
     assert len(h.of_kind(ev.MIGRATION_STARTED)) == 1
+
+
+def test_a_recovery_that_cannot_finish_goes_back_to_the_planner(make: Callable[..., Harness]) -> None:
+    """The survivors never agree in epoch 1 (a rank that will never come): after
+    recovery_timeout every rank restarts in place from the checkpoint, and the job ends."""
+    h = make(train_s=TRAIN_S, store=STORE, config=dataclasses.replace(CONFIG, recovery_timeout=10))
+    ranks = ElasticRanks(h.world)
+    ranks.stall.add(1)
+    h.world.go_silent("c2", at=3.0)
+    ranks.fail_collective("c1", at=3.1, error=gloo_reset_by("c2"))
+
+    result = h.run()
+
+    assert (result.state, result.restarts) == (RunState.SUCCEEDED, 1)
+    live, in_place = h.of_kind(ev.MIGRATION_STARTED)
+    assert (live.fields["mode"], in_place.fields["mode"]) == ("live", "restart-in-place")
+    assert at_of(h, in_place) - at_of(h, live) >= 10
+    (restarted,) = h.of_kind(ev.RESTARTED)
+    assert restarted.fields["active"] == ["c1", "c4", "c3"]  # the promoted spare is relaunched too
+    assert h.launches()[4:] == [("c1", "active", 2), ("c4", "active", 2), ("c3", "active", 2)]
+    assert not [d for d in h.of_kind(ev.MIGRATION_DONE) if d.fields["resolution"] == "live"]

@@ -223,3 +223,17 @@ def test_a_drain_of_a_node_whose_own_ranks_are_not_on_the_elastic_loop_is_deferr
     plan = plan_recovery([FAULTS["planned"](OTHER)], membership(True), facts, POLICY)
 
     assert plan.action == Action.DEFER and "no live migration possible" in plan.detail
+
+
+def test_a_stalled_recovery_restarts_every_rank_in_place_until_the_limit() -> None:
+    m = membership(spare=True)
+    stalled = Fault(BATCH, Detector.RECOVERY_STALLED, "the recovery to epoch 0 has not reached its first step")
+
+    plan = plan_recovery([stalled], m, workers(True), POLICY)
+    assert (plan.action, plan.membership.active, plan.membership.epoch) == (
+        Action.RESTART_IN_PLACE, m.active, 1)
+    assert plan.lost == () and plan.stop == ()  # nobody is lost: everyone restarts
+
+    exhausted = Policy(recovery=RecoveryPolicy.LIVE, has_store=True, batch_host=BATCH, in_place_restarts=3)
+    plan = plan_recovery([stalled], m, workers(True), exhausted)
+    assert plan.action == Action.GIVE_UP and "3 in-place restarts already" in plan.detail
