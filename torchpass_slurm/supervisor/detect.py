@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 #: A peer's address in torch's error text: gloo writes ``[10.1.2.3]:5000``, NCCL ``10.1.2.3<5000>``.
 _PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+|\b(\d{1,3}(?:\.\d{1,3}){3})<\d+>")
+#: The silence checks run at most this often (seconds): they walk every step, and a loop
+#: pass comes with every batch of messages, hundreds a second at scale.
+SILENCE_CHECK_S = 0.1
 #: A peer's report counts for a node that went silent up to this long after it (seconds):
 #: the report may come a moment before the node's last heartbeat is overdue.
 _NAMED_SLACK_S = 1.0
@@ -96,6 +99,7 @@ class Detectors:
         self._reported: Fault | None = None
         self._settle: _Settle | None = None
         self._next_slurm_poll = 0.0
+        self._next_silence_check = 0.0
 
     @property
     def settling(self) -> bool:
@@ -124,7 +128,10 @@ class Detectors:
         exited = self._step_exit()
         if exited is not None and self._exit_is_conclusive(exited.node):
             return self._judged([dataclasses.replace(exited, evidence=Evidence.CONCLUSIVE)])
-        confirmed = self._confirmed_silence()
+        silence_due = self.clock.monotonic() >= self._next_silence_check
+        if silence_due:
+            self._next_silence_check = self.clock.monotonic() + SILENCE_CHECK_S
+        confirmed = self._confirmed_silence() if silence_due else []
         if confirmed:
             return self._judged(confirmed)
         if self._settle is not None:
@@ -137,7 +144,7 @@ class Detectors:
         if suspicion is not None:
             self._settle = _Settle(suspicion, self.clock.monotonic() + self.config.fault_settle)
             return []
-        fault = self._silence() or self._stalled_recovery() or self._watch_slurm()
+        fault = (self._silence() if silence_due else None) or self._stalled_recovery() or self._watch_slurm()
         return [fault] if fault is not None else []
 
     def _stalled_recovery(self) -> Fault | None:

@@ -266,6 +266,8 @@ class Supervisor:
                 )
         elif message.kind == Kind.HEARTBEAT:
             step.seen(message.sender, now, body.get("step"))
+        elif message.kind == Kind.BYE:
+            step.said_bye.add(message.sender)  # it stops beating; its step's exit says the rest
         elif message.kind == Kind.REPORT:
             try:
                 self._on_report(node, step, Report.from_body(body))

@@ -62,6 +62,9 @@ class WorkerStep:
     hello_senders: set[str] = field(default_factory=set)
     #: tasks that spoke after the step was declared lost (told to stop, ignored)
     fenced: set[str] = field(default_factory=set)
+    #: tasks that said bye: they are leaving (their process may take seconds to exit) and
+    #: their silence is not a fault
+    said_bye: set[str] = field(default_factory=set)
     #: its ranks run the elastic loop (they can rebuild their group in place)
     live: bool = False
     last_step: int | None = None
@@ -86,9 +89,12 @@ class WorkerStep:
             self.last_step = step
 
     def silent_for(self, now: float) -> float | None:
-        """Seconds since the stalest task of this step was heard from (None: not all heard yet)."""
-        hb = self.last_heartbeat
-        return None if hb is None else now - hb
+        """Seconds since the stalest task of this step that should still beat was heard from
+        (None: not all heard yet, or every task said bye)."""
+        if len(self.heartbeats) < self.ntasks:
+            return None
+        beating = [t for sender, t in self.heartbeats.items() if sender not in self.said_bye]
+        return now - min(beating) if beating else None
 
 
 class Clock(Protocol):

@@ -178,3 +178,23 @@ def test_a_recovery_that_cannot_finish_goes_back_to_the_planner(make: Callable[.
     assert restarted.fields["active"] == ["c1", "c4", "c3"]  # the promoted spare is relaunched too
     assert h.launches()[4:] == [("c1", "active", 2), ("c4", "active", 2), ("c3", "active", 2)]
     assert not [d for d in h.of_kind(ev.MIGRATION_DONE) if d.fields["resolution"] == "live"]
+
+
+def test_a_rank_that_said_bye_may_take_its_time_to_exit(live: Live) -> None:
+    """At the end of the training a rank says bye and stops beating; tearing down torch
+    can take seconds more before its step exits. That silence is not a fault."""
+    h, _ = live(probe=True)
+    exit_at = 3.0 + CONFIG.heartbeat_timeout + 2.0
+
+    def leave() -> None:
+        h.server.inject(b"c2/0#1", "c2/0", msg.BYE, {})
+        h.world.silent.add("c2")
+    h.world.at(3.0, leave)
+    h.world.crash("c2", 0, at=exit_at)
+
+    result = h.run()
+
+    assert (result.state, result.epoch) == (RunState.SUCCEEDED, 0)
+    assert not h.of_kind(ev.HEARTBEAT_LOST) and not h.of_kind(ev.MIGRATION_STARTED)
+    (exited,) = [e for e in h.of_kind(ev.STEP_EXITED) if e.fields["node"] == "c2"]
+    assert exited.fields["exit_code"] == 0 and at_of(h, exited) >= exit_at
