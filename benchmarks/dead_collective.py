@@ -89,7 +89,7 @@ def _worker(rank: int, port: int, timeout_s: float, mode: str, looping: Any, sig
     except RuntimeError as exc:
         left = Left(rank, time.monotonic(), str(exc).splitlines()[0][:90])
         if mode == "teardown":  # what ElasticTrainer._tear_down does
-            ddp = None
+            del ddp  # the wrapper holds the group
             release_references(exc)
             del exc
             destroy_group(log)
