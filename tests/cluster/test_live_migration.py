@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 
 from scripts.devcluster import Cluster, wait_for
-from tests.cluster.jobs import TpJob, active_victim, final_hash, kill_rank, submit
+from tests.cluster.jobs import TRAIN_ARGS, TpJob, active_victim, final_hash, kill_rank, submit
 
 pytestmark = pytest.mark.cluster
 
@@ -121,4 +121,52 @@ def test_admin_drain_moves_the_job_to_a_spare_and_frees_the_node(
         == [("live", 0, 0)], done
     assert [e["released"] for e in events if e["kind"] == "node_released"] == [True]
     assert not [e for e in events if e["kind"] in ("heartbeat_lost", "node_down", "restarted")]
+    assert final_hash(job) == reference_hash
+
+
+def slow_steps(seconds: float) -> tuple[str, ...]:
+    """TRAIN_ARGS with a longer sleep per step: the same training (the same final state), more
+    time around a fault."""
+    args = list(TRAIN_ARGS)
+    args[args.index("--step-sleep") + 1] = str(seconds)
+    return tuple(args)
+
+
+def test_a_partitioned_node_migrates_live_and_is_fenced_when_it_comes_back(
+        healthy_cluster: Cluster, reference_hash: str) -> None:
+    c = healthy_cluster
+    job = submit(c, "-N", "3", "--spares", "1", train_args=slow_steps(1.0))
+    job.wait_step(5)
+    victim = active_victim(c, job)
+    c.partition(victim)
+    wait_migrated(job, 1)
+    c.heal(victim)  # its old rank still runs, in the old epoch, and reconnects
+    wait_for(lambda: [e for e in job.events() if e["kind"] == "fenced"], timeout=60,
+             what=f"the old rank on {victim} fenced", interval=1)
+    assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+    events = job.events()
+    (lost,) = [e for e in events if e["kind"] == "heartbeat_lost"]
+    assert (lost["node"], lost["evidence"]) == (victim, "probe"), lost
+    started = [e for e in events if e["kind"] == "migration_started"]
+    assert [(s["mode"], s["failed"]) for s in started] == [("live", [victim])], started
+    # it was heard again, once, and that moved nothing
+    fenced = [(e["node"], e["sender"]) for e in events if e["kind"] == "fenced"]
+    assert fenced == [(victim, f"{victim}/0")], events
+    assert_all_live(c, job, 1)
+    assert final_hash(job) == reference_hash
+
+
+def test_a_hung_rank_is_replaced_live(healthy_cluster: Cluster, reference_hash: str) -> None:
+    c = healthy_cluster
+    job = submit(c, "-N", "3", "--spares", "1")
+    job.wait_step(5)
+    victim = active_victim(c, job)
+    c.exec(victim, "pkill", "-STOP", "-f", "python3 /src/sbatch-examples/tiny_gpt.py")
+    wait_migrated(job, 1)
+    c.exec(victim, "pkill", "-CONT", "-f", "python3 /src/sbatch-examples/tiny_gpt.py", check=False)
+    assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+    events = job.events()
+    (lost,) = [e for e in events if e["kind"] == "heartbeat_lost"]
+    assert (lost["node"], lost["evidence"]) == (victim, "timeout"), lost
+    assert_all_live(c, job, 1)
     assert final_hash(job) == reference_hash
