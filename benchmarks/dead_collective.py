@@ -14,13 +14,17 @@ raised; what it does then is the mode:
 ``teardown``   drops the DDP wrapper and the exception's frames, then destroys the group
                (``ElasticTrainer._tear_down``: ``release_references``, ``destroy_group``)
 ``abort``      nothing on failure; another thread aborts the group at +0.5 s
-               (``abort_group_before``, as the heartbeat thread on a reconfigure)
+               (``abort_group_before`` with no socket recorded: ``ProcessGroup.abort`` alone)
+``sockets``    as ``abort``, with the group's sockets recorded at init (``group_sockets``,
+               as ``EpochRendezvous.join`` does): the abort shuts them down, then
+               calls ``ProcessGroup.abort`` where there is one
 =============  ==========================================================
 
-(``abort`` is the reconfigure arriving in the heartbeat thread; on a torch
-without ``ProcessGroup.abort`` its column says so.) Run::
+(``abort`` and ``sockets`` are the reconfigure arriving in the heartbeat
+thread; on a torch without ``ProcessGroup.abort`` the abort column is left
+out.) Run::
 
-    python -m benchmarks.dead_collective [--timeout 15] [--modes plain,teardown,abort]
+    python -m benchmarks.dead_collective [--timeout 15] [--modes plain,teardown,abort,sockets]
 
 It prints one row per survivor and victim signal: seconds from the signal
 to the survivor leaving its collective (``>T`` = the collective timeout, T
@@ -44,9 +48,9 @@ from typing import Any
 
 WORLD = 3
 VICTIM = 1
-#: Seconds from the victim's signal to the abort in ``abort`` mode (the reconfigure's arrival).
+#: Seconds from the victim's signal to the abort (the reconfigure's arrival): ``abort``, ``sockets``.
 ABORT_AFTER_S = 0.5
-MODES = ("plain", "held", "teardown", "abort")
+MODES = ("plain", "held", "teardown", "abort", "sockets")
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 
@@ -66,17 +70,25 @@ def _worker(rank: int, port: int, timeout_s: float, mode: str, looping: Any, sig
     import torch.distributed as dist
     from torch import nn
 
-    from torchpass_slurm.rank.group import adopt_group, destroy_group, release_references
+    from torchpass_slurm.rank.group import (
+        adopt_group,
+        destroy_group,
+        group_sockets,
+        release_references,
+        socket_inodes,
+    )
     from torchpass_slurm.rank.rendezvous import make_tcp_store
 
     log = logging.LoggerAdapter(logging.getLogger("dead_collective"), {})
     timeout = datetime.timedelta(seconds=timeout_s)
     store = make_tcp_store("127.0.0.1", port, is_master=False, timeout=timeout)
+    before = socket_inodes()
     dist.init_process_group("gloo", store=dist.PrefixStore("epoch0", store), rank=rank,
                             world_size=WORLD, timeout=timeout)
+    sockets = group_sockets(before, exclude_ports={port}) if mode == "sockets" else ()
     ddp: Any = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
-    adopt_group(0)
-    if mode == "abort":
+    adopt_group(0, sockets)
+    if mode in ("abort", "sockets"):
         threading.Thread(target=_abort_later, args=(signalled, log), daemon=True).start()
     data = torch.ones(1 << 14)
     step = 0

@@ -13,12 +13,24 @@ group but does not close gloo's pairs: they close when the last reference
 :func:`release_references` before :func:`destroy_group`.
 
 A frozen or powered-off peer sends nothing, so no teardown reaches the
-survivors waiting on it; only an abort from another thread could
+survivors waiting on it; only an abort from another thread can
 (:func:`abort_group_before`, called when the supervisor's reconfigure
-arrives). It is feature-detected: torch's ``ProcessGroup.abort``, where
-there is one (NCCL aborts its communicators; measured on torch 2.13, gloo's
-returns at once without ending a collective in flight); none on Debian's
-torch 2.6, where it is a no-op.
+arrives). torch's ``ProcessGroup.abort`` does not do it for gloo (torch
+2.13: it returns at once and the collective in flight waits on; Debian's
+torch 2.6 has none), so the abort shuts down the group's TCP sockets
+itself: gloo connects its full mesh inside ``init_process_group`` (2.6 and
+2.13; not with ``TORCH_GLOO_LAZY_INIT``), and :func:`group_sockets` records
+the connected TCP sockets that appeared there, less the store's. A
+``shutdown(SHUT_RDWR)`` on a duplicate of each wakes gloo's blocked read at
+once: the collective raises ``[...pair.cc:N] Connection closed by peer``,
+a comm error to ``is_comm_error`` (``benchmarks/dead_collective.py``, torch
+2.13, a frozen peer: the survivors left 0.5 s after the freeze, when the
+abort came, against the 15 s collective timeout without it; untried on
+2.6). gloo's own descriptors are never closed, and a descriptor is only
+touched while it is still the socket recorded (its inode, read through the
+duplicate): a destroyed group's numbers may be reused. Linux only
+(``/proc/self/fd``); elsewhere nothing is recorded and only
+``ProcessGroup.abort`` is tried (NCCL aborts its communicators).
 
 The group is process-global in torch (the default group), so its record is
 here too: the group this rank trains in and its epoch, kept under a lock
@@ -31,14 +43,20 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import socket
 import threading
 import traceback
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from torchpass_slurm.control.bodies import Reconfigure
 
 __all__ = [
+    "GroupSocket",
+    "socket_inodes",
+    "group_sockets",
     "adopt_group",
     "destroy_group",
     "release_references",
@@ -47,28 +65,128 @@ __all__ = [
     "can_abort",
 ]
 
+_logger = logging.getLogger(__name__)
 _lock = threading.Lock()
+#: Where a process's descriptors are listed (Linux).
+PROC_FD = "/proc/self/fd"
+
+
+@dataclass(frozen=True)
+class GroupSocket:
+    """One TCP socket of the group's mesh: gloo's descriptor and the socket's inode behind it."""
+
+    fd: int
+    inode: int
 
 
 @dataclass
 class _Live:
-    """The default group as it was built for ``epoch``; ``aborted`` once aborted."""
+    """The default group as it was built for ``epoch``, its sockets; ``aborted`` once aborted."""
 
     group: Any
     epoch: int
+    sockets: tuple[GroupSocket, ...] = ()
     aborted: bool = False
 
 
 _live: _Live | None = None
 
 
-def adopt_group(epoch: int) -> None:
-    """Record the default group just built as the one of ``epoch`` (after init_process_group)."""
+def _socket_inode(fd: int) -> int | None:
+    """The inode of the socket behind ``fd`` (``socket:[N]`` in /proc); None for no socket."""
+    try:
+        target = os.readlink(f"{PROC_FD}/{fd}")
+    except OSError:  # closed meanwhile
+        return None
+    if not (target.startswith("socket:[") and target.endswith("]")):
+        return None
+    return int(target[len("socket:[") : -1])
+
+
+def socket_inodes() -> dict[int, int]:
+    """Every socket this process holds, descriptor to inode; empty where there is no /proc/self/fd."""
+    try:
+        fds = [int(name) for name in os.listdir(PROC_FD)]
+    except OSError:
+        _logger.debug("no %s (not Linux): the group's sockets are not recorded", PROC_FD)
+        return {}
+    found = {fd: _socket_inode(fd) for fd in fds}
+    return {fd: inode for fd, inode in found.items() if inode is not None}
+
+
+def group_sockets(before: Mapping[int, int], exclude_ports: Collection[int]) -> tuple[GroupSocket, ...]:
+    """The connected TCP sockets opened since ``before`` (:func:`socket_inodes` before
+    ``init_process_group``), less any with an end at one of ``exclude_ports`` (the store's).
+
+    gloo's listener is left out (it is not connected): shutting it down
+    would only break its accept loop.
+    """
+    found = []
+    for fd, inode in socket_inodes().items():
+        if before.get(fd) == inode:
+            continue
+        candidate = GroupSocket(fd, inode)
+        sock = _still_open(candidate)
+        if sock is None:
+            continue
+        with sock:
+            try:
+                if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                    continue
+                ports = (sock.getsockname()[1], sock.getpeername()[1])
+            except OSError:  # not connected: a listener
+                continue
+        if not any(port in exclude_ports for port in ports):
+            found.append(candidate)
+    return tuple(found)
+
+
+def _still_open(recorded: GroupSocket) -> socket.socket | None:
+    """A socket object on a duplicate of ``recorded.fd`` while it is still the socket recorded.
+
+    None when the descriptor is closed or now names another file (a
+    destroyed group's number reused): its inode is read through the
+    duplicate, so it cannot change between the check and the use. Closing
+    the object closes the duplicate only.
+    """
+    try:
+        dup = os.dup(recorded.fd)
+    except OSError:
+        return None
+    try:
+        if _socket_inode(dup) == recorded.inode:
+            return socket.socket(fileno=dup)
+    except OSError:
+        pass
+    os.close(dup)
+    return None
+
+
+def _shut_down(sockets: tuple[GroupSocket, ...], log: logging.LoggerAdapter[logging.Logger]) -> int:
+    """``shutdown(SHUT_RDWR)`` each of ``sockets`` that is still open and still itself; how many."""
+    done = 0
+    for recorded in sockets:
+        sock = _still_open(recorded)
+        if sock is None:
+            log.debug("socket fd %d (inode %d) is gone: left alone", recorded.fd, recorded.inode)
+            continue
+        with sock:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                done += 1
+            except OSError as exc:  # already shut down, or the peer reset it
+                log.debug("shutting down socket fd %d: %r", recorded.fd, exc)
+    return done
+
+
+def adopt_group(epoch: int, sockets: tuple[GroupSocket, ...] = ()) -> None:
+    """Record the default group just built as the one of ``epoch`` (after init_process_group),
+    with the sockets :func:`group_sockets` found it opened."""
     import torch.distributed as dist
 
     global _live
     with _lock:
-        _live = _Live(dist.group.WORLD, epoch)
+        _live = _Live(dist.group.WORLD, epoch, sockets)
 
 
 def destroy_group(log: logging.LoggerAdapter[logging.Logger]) -> None:
@@ -127,24 +245,42 @@ def abort_group_before(epoch: int, log: logging.LoggerAdapter[logging.Logger]) -
 
     Called from the heartbeat thread when a reconfigure to ``epoch`` arrives,
     so that a training thread stuck in a collective of the old group leaves
-    it. Nothing happens when the group is already gone or replaced (its
-    epoch is ``epoch`` or later), was aborted before, when the training
-    thread is destroying it (it holds the lock: it is out of its collective),
-    or when the torch in use cannot abort.
+    it: the group's recorded sockets are shut down (see the module doc), then
+    ``ProcessGroup.abort`` runs where torch has one. Nothing happens when the
+    group is already gone or replaced (its epoch is ``epoch`` or later), was
+    aborted before, when the training thread is destroying it (it holds the
+    lock: it is out of its collective), or when there is neither a socket nor
+    ``abort``.
     """
     if not _lock.acquire(blocking=False):
         return False
     try:
         live = _live
-        if live is None or live.epoch >= epoch or live.aborted or not can_abort(live.group):
+        if live is None or live.epoch >= epoch or live.aborted:
+            return False
+        if not live.sockets and not can_abort(live.group):
             return False
         live.aborted = True
-        try:
-            live.group.abort()
-        except RuntimeError as exc:  # a backend that cannot abort says so; the collective timeout bounds it
-            log.debug("aborting the group of epoch %d: %r", live.epoch, exc)
+        shut = _shut_down(live.sockets, log)
+        aborted = can_abort(live.group) and _abort(live.group, live.epoch, log)
+        if not (shut or aborted):
             return False
-        log.warning("aborted the process group of epoch %d: epoch %d replaces it", live.epoch, epoch)
+        log.warning(
+            "aborted the process group of epoch %d (%d of %d sockets shut down): epoch %d replaces it",
+            live.epoch,
+            shut,
+            len(live.sockets),
+            epoch,
+        )
         return True
     finally:
         _lock.release()
+
+
+def _abort(group: Any, epoch: int, log: logging.LoggerAdapter[logging.Logger]) -> bool:
+    try:
+        group.abort()
+    except RuntimeError as exc:  # a backend that cannot abort says so; the collective timeout bounds it
+        log.debug("aborting the group of epoch %d: %r", epoch, exc)
+        return False
+    return True

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from torchpass_slurm.errors import ConfigError, RendezvousTimeout
-from torchpass_slurm.rank.group import adopt_group
+from torchpass_slurm.rank.group import adopt_group, group_sockets, socket_inodes
 from torchpass_slurm.rank.rankinfo import RankInfo
 
 __all__ = ["EpochRendezvous", "make_tcp_store"]
@@ -47,16 +47,18 @@ class EpochRendezvous:
             wait = rendezvous_timeout or timeout
             store = dist.PrefixStore(f"epoch{info.epoch}", self._client(info, max(wait, timeout)))
             _await_all_ranks(store, info, wait)
+            before = socket_inodes()  # gloo connects its mesh in init_process_group (group.py)
             dist.init_process_group(
                 backend=backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
             )
-            adopt_group(info.epoch)
+            recorded = _adopt(info.epoch, backend, before, int(info.store_port))
             self.log.info(
-                "process group up: backend=%s store=%s:%s epoch %d",
+                "process group up: backend=%s store=%s:%s epoch %d, %d sockets recorded",
                 backend,
                 info.store_addr,
                 info.store_port,
                 info.epoch,
+                recorded,
             )
             return
         if info.world_size > 1 and (not info.master_addr or info.master_port is None):
@@ -64,12 +66,17 @@ class EpochRendezvous:
                 f"MASTER_ADDR/MASTER_PORT are not set for a world of {info.world_size} ranks",
                 hint="export them (the sbatch examples show how)",
             )
+        before = socket_inodes()
         dist.init_process_group(
             backend=backend, init_method="env://", rank=info.rank, world_size=info.world_size, timeout=timeout
         )
-        adopt_group(info.epoch)
+        recorded = _adopt(info.epoch, backend, before, info.master_port or 0)
         self.log.info(
-            "process group up: backend=%s master=%s:%s", backend, info.master_addr, info.master_port
+            "process group up: backend=%s master=%s:%s, %d sockets recorded",
+            backend,
+            info.master_addr,
+            info.master_port,
+            recorded,
         )
 
     def _client(self, info: RankInfo, timeout: datetime.timedelta) -> Any:
@@ -78,6 +85,19 @@ class EpochRendezvous:
                 str(info.store_addr), int(info.store_port or 0), is_master=False, timeout=timeout
             )
         return self._store
+
+
+def _adopt(epoch: int, backend: str, before: dict[int, int], store_port: int) -> int:
+    """Record the group just built, with its mesh's sockets when it is gloo's; how many sockets.
+
+    Only gloo's: NCCL's own abort ends its collectives, and its sockets
+    (bootstrap, proxy) are not this module's to shut down. No socket where
+    gloo connects lazily (``TORCH_GLOO_LAZY_INIT``): the abort is then
+    ``ProcessGroup.abort`` alone, and a frozen peer costs the collective timeout.
+    """
+    sockets = group_sockets(before, exclude_ports={store_port}) if backend == "gloo" else ()
+    adopt_group(epoch, sockets)
+    return len(sockets)
 
 
 def _await_all_ranks(store: Any, info: RankInfo, wait: datetime.timedelta) -> None:
