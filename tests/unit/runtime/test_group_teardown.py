@@ -12,7 +12,6 @@ import datetime
 import logging
 import multiprocessing
 import os
-import socket
 import time
 import weakref
 from collections.abc import Iterator
@@ -27,7 +26,9 @@ from torch import nn
 from torchpass_slurm.control.bodies import Reconfigure
 from torchpass_slurm.rank import elastic, group
 from torchpass_slurm.rank.elastic import ElasticTrainer
-from torchpass_slurm.rank.runtime import RankInfo, Role, Runtime, make_tcp_store
+from torchpass_slurm.rank.runtime import Role, Runtime, make_tcp_store
+
+from .gloo_ranks import FakeClient, free_port, info
 
 GLOO_RESET = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
                           "Connection closed by peer [10.0.0.2]:41234")
@@ -39,31 +40,6 @@ NO_RECONFIGURE_S = 6
 #: A peer must leave its collective within this of the other rank's failure.
 LEAVE_WITHIN_S = 2.5
 JOIN_TIMEOUT_S = 60
-
-
-class FakeClient:
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, dict[str, Any]]] = []
-
-    def send(self, kind: str, body: dict[str, Any]) -> None:
-        self.sent.append((kind, body))
-
-    def recv(self, timeout: datetime.timedelta) -> None:
-        return None
-
-    def close(self) -> None:
-        pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def info(rank: int, world: int, port: int, epoch: int = 0) -> RankInfo:
-    return RankInfo(rank=rank, world_size=world, local_rank=0, local_world_size=1, master_addr=None,
-                    master_port=None, epoch=epoch, store_addr="127.0.0.1", store_port=port)
 
 
 @pytest.fixture

@@ -29,7 +29,9 @@ import torch.distributed as dist
 from torchpass_slurm.control.bodies import Reconfigure
 from torchpass_slurm.rank import group, rendezvous
 from torchpass_slurm.rank.elastic import is_comm_error
-from torchpass_slurm.rank.runtime import RankInfo, Role, Runtime, make_tcp_store
+from torchpass_slurm.rank.runtime import Role, Runtime, make_tcp_store
+
+from .gloo_ranks import FakeClient, free_port, info
 
 LOG = logging.LoggerAdapter(logging.getLogger(__name__), {})
 #: The survivor's collective timeout: far longer than the test may wait for it to leave.
@@ -44,17 +46,6 @@ LOOPING_AFTER = 20
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Linux only (/proc/self/fd)")
 
 
-class FakeClient:
-    def send(self, kind: str, body: dict[str, Any]) -> None:
-        pass
-
-    def recv(self, timeout: datetime.timedelta) -> None:
-        return None
-
-    def close(self) -> None:
-        pass
-
-
 class Msg:
     def __init__(self, kind: str, body: dict[str, Any]) -> None:
         self.kind, self.body = kind, body
@@ -62,17 +53,6 @@ class Msg:
 
 class OldGroup:
     """A torch 2.6 gloo group: no abort, so only the sockets can end a collective."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def info(rank: int, world: int, port: int, epoch: int = 0) -> RankInfo:
-    return RankInfo(rank=rank, world_size=world, local_rank=0, local_world_size=1, master_addr=None,
-                    master_port=None, epoch=epoch, store_addr="127.0.0.1", store_port=port)
 
 
 def inode(sock: socket.socket) -> int:

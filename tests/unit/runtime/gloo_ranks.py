@@ -1,0 +1,37 @@
+"""Helpers of the tests that run real gloo ranks on loopback: a control client that only
+records, a free port, and a rank's place in a group that meets in a store on 127.0.0.1."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import Any
+
+from torchpass_slurm.rank.runtime import RankInfo
+
+
+class FakeClient:
+    """A control client that records what the rank sends and never receives anything."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    def send(self, kind: str, body: dict[str, Any]) -> None:
+        self.sent.append((kind, body))
+
+    def recv(self, timeout: datetime.timedelta) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def info(rank: int, world: int, port: int, epoch: int = 0) -> RankInfo:
+    return RankInfo(rank=rank, world_size=world, local_rank=0, local_world_size=1, master_addr=None,
+                    master_port=None, epoch=epoch, store_addr="127.0.0.1", store_port=port)
