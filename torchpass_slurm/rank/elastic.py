@@ -108,6 +108,15 @@ def is_comm_error(exc: BaseException) -> bool:
     return type(exc) is RuntimeError and _TORCH_COMM_ERROR.search(str(exc)) is not None
 
 
+def leave_if_fenced(rt: Runtime, step: int) -> None:
+    """The supervisor told this rank to stop (its step was declared lost while it lived on:
+    a healed partition, a frozen process that woke up): it must not train on, nor wait for
+    an epoch it is no longer part of. Exits the process (status 1, with the reason)."""
+    if rt.stop_requested.is_set():
+        rt.log.error("fenced by the supervisor: leaving at step %d", step)
+        raise SystemExit(f"torchpass: this rank was fenced by the supervisor at step {step}")
+
+
 def collective_timeout() -> datetime.timedelta:
     """Timeout of one collective: ``TORCHPASS_COLLECTIVE_TIMEOUT`` (see config)."""
     from torchpass_slurm import config
@@ -206,6 +215,7 @@ class ElasticTrainer:
         self.start()
         loss = None
         while self.step < steps and not self.released:
+            leave_if_fenced(self.rt, self.step)
             self.optimizer.zero_grad(set_to_none=True)
             try:
                 loss = train_step(self.step, self.ddp_model)
@@ -257,6 +267,7 @@ class ElasticTrainer:
                 if body.epoch > self.rt.epoch and (epoch is None or body.epoch == epoch):
                     self._pending = [b for b in self._pending if b.epoch > body.epoch]
                     return body
+            leave_if_fenced(self.rt, self.step)
             left = deadline - time.monotonic()
             if left <= 0:
                 return None

@@ -1,11 +1,15 @@
-"""The planned switch without a per-step collective: every rank switches after the announced step."""
+"""The planned switch without a per-step collective, and a fenced rank leaving: the trainer's
+reactions to what the supervisor says, without a process group."""
 
 from __future__ import annotations
 
 import datetime
+import logging
 import queue
+import threading
 from typing import Any
 
+import pytest
 import torch
 
 from torchpass_slurm.control.bodies import Reconfigure
@@ -70,3 +74,28 @@ def test_the_reconfigure_body_carries_the_switch_step() -> None:
     body = planned(1, switch_after=7).to_body()
     assert body["switch_after"] == 7 and Reconfigure.from_body(body).switch_after == 7
     assert "switch_after" not in Reconfigure(epoch=1, world_size=3, store_addr="c1", store_port=1).to_body()
+
+
+class FencedRuntime(StubRuntime):
+    """A runtime the supervisor told to stop (what Runtime._on_message does on ``stop``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stop_requested = threading.Event()
+        self.stop_requested.set()
+        self.log = logging.LoggerAdapter(logging.getLogger("test"), {})
+
+
+def test_a_fenced_rank_trains_no_further_step() -> None:
+    t = trainer(FencedRuntime())
+    t._started = True
+    steps: list[int] = []
+    with pytest.raises(SystemExit, match="fenced by the supervisor at step 0"):
+        t.fit(lambda step, model: steps.append(step), steps=5)  # type: ignore[func-returns-value]
+    assert steps == []
+
+
+def test_a_fenced_rank_does_not_wait_for_a_new_epoch() -> None:
+    t = trainer(FencedRuntime())
+    with pytest.raises(SystemExit):
+        t._next_reconfigure(datetime.timedelta(seconds=60))
