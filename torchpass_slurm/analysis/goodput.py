@@ -78,8 +78,9 @@ class GoodputParams:
     The checkpoint-restart defaults are the study's: RSC-1's failure rate, a
     restart overhead ``u0`` of 5 minutes, hourly checkpoints whose writes do
     not stop training (docs/goodput.md, "Defaults"). ``live_recovery_s`` is
-    the job time one fault cost under live migration on this project's test
-    cluster (docs/benchmarks.md).
+    the pause one node failure cost under live migration on this project's test
+    cluster: from the power cut to the first committed step, rounded up
+    (docs/benchmarks.md, "Detection by kind of fault").
     """
 
     gpus_per_node: int = 8
@@ -87,7 +88,7 @@ class GoodputParams:
     ckpt_interval_s: float = 3600.0
     ckpt_write_s: float = 0.0
     restart_overhead_s: float = 300.0
-    live_recovery_s: float = 19.0
+    live_recovery_s: float = 2.0
     live_coverage: float = 0.9
 
     def __post_init__(self) -> None:
