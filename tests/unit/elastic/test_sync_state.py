@@ -10,13 +10,14 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+
+from ..gloo_ranks import free_port
 
 #: Bounds the whole test: two spawned interpreters importing torch (and dynamo, with the first
 #: optimizer: about 4 s each), one small transfer.
@@ -52,12 +53,6 @@ def _rank_main(rank: int, port: int, out: str) -> None:
                 "model": model.state_dict(), "optim": optimizer.state_dict(), "reports": reports},
                Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def assert_same(a: Any, b: Any, path: str = "") -> None:

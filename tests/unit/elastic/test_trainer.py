@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -13,12 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchpass_slurm.errors import TransferError, TransferTimeout
+from torchpass_slurm.control.bodies import Reconfigure
+from torchpass_slurm.errors import RendezvousTimeout, TransferError, TransferTimeout
 from torchpass_slurm.rank import elastic
 from torchpass_slurm.rank.elastic import ElasticTrainer, is_comm_error
-from torchpass_slurm.control.bodies import Reconfigure
-from torchpass_slurm.errors import RendezvousTimeout
-from torchpass_slurm.rank.runtime import RankInfo, Role, Runtime, make_tcp_store
+from torchpass_slurm.rank.runtime import RankInfo, Role, Runtime
+
+from ..gloo_ranks import FakeClient, loopback_store
 
 GLOO_RESET = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
                           "Connection closed by peer [10.0.0.2]:41234")
@@ -56,25 +56,6 @@ class CountingSGD(torch.optim.SGD):
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         self.steps += 1
         return super().step(closure)
-
-
-class FakeClient:
-    """The control client of an active rank whose heartbeat thread has not started."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, dict[str, Any]]] = []
-
-    def send(self, kind: str, body: dict[str, Any]) -> None:
-        self.sent.append((kind, body))
-
-    def recv(self, timeout: datetime.timedelta) -> None:
-        return None
-
-    def close(self) -> None:
-        pass
-
-    def reports(self) -> list[tuple[str, dict[str, Any]]]:
-        return [(b["event"], b["fields"]) for k, b in self.sent if k == "report"]
 
 
 def plain() -> Runtime:
@@ -218,23 +199,11 @@ def test_an_active_rank_without_a_reconfigure_raises_the_original_error(
     assert "Connection closed by peer" in failed["error"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def store() -> Iterator[int]:
     """A rendezvous store on 127.0.0.1, as tp run hosts one; its port. Leaves no process group."""
-    port = free_port()
-    keep = make_tcp_store("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=30))
-    try:
+    with loopback_store() as port:
         yield port
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        del keep
 
 
 def reconfigure(rt: Runtime, store: int, *epochs: int) -> None:

@@ -26,9 +26,9 @@ from torch import nn
 from torchpass_slurm.control.bodies import Reconfigure
 from torchpass_slurm.rank import elastic, group
 from torchpass_slurm.rank.elastic import ElasticTrainer
-from torchpass_slurm.rank.runtime import Role, Runtime, make_tcp_store
+from torchpass_slurm.rank.runtime import Role, Runtime
 
-from .gloo_ranks import FakeClient, free_port, info
+from ..gloo_ranks import FakeClient, info, loopback_store
 
 GLOO_RESET = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
                           "Connection closed by peer [10.0.0.2]:41234")
@@ -44,14 +44,8 @@ JOIN_TIMEOUT_S = 60
 
 @pytest.fixture
 def store() -> Iterator[int]:
-    port = free_port()
-    keep = make_tcp_store("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=30))
-    try:
+    with loopback_store() as port:
         yield port
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        del keep
 
 
 # --- the teardown, in one process --------------------------------------------------------------

@@ -31,7 +31,7 @@ from torchpass_slurm.rank import group, rendezvous
 from torchpass_slurm.rank.elastic import is_comm_error
 from torchpass_slurm.rank.runtime import Role, Runtime, make_tcp_store
 
-from .gloo_ranks import FakeClient, free_port, info
+from ..gloo_ranks import FakeClient, free_port, info
 
 LOG = logging.LoggerAdapter(logging.getLogger(__name__), {})
 #: The survivor's collective timeout: far longer than the test may wait for it to leave.

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ..gloo_ranks import free_port
 
 pytest.importorskip("torch")
 pytest.importorskip("numpy")  # torch.distributed's object collectives (used by DCP) need it
@@ -22,12 +23,6 @@ SCRIPT = Path(__file__).resolve().parents[3] / "sbatch-examples" / "tiny_gpt.py"
 SMALL = ["--d-model", "64", "--n-layers", "2", "--context", "32", "--batch-size", "8",
          "--steps", "20", "--ckpt-every", "5", "--log-every", "2", "--threads", "1", "--lr", "1e-2"]
 DONE = re.compile(r"^done step=(\d+) loss=(\S+) params_sha256=([0-9a-f]{64}) optim_sha256=([0-9a-f]{64})$", re.M)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_ranks(world: int, args: list[str], *, expect: int = 0) -> str:

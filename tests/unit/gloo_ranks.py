@@ -1,13 +1,16 @@
 """Helpers of the tests that run real gloo ranks on loopback: a control client that only
-records, a free port, and a rank's place in a group that meets in a store on 127.0.0.1."""
+records, a free port, a rendezvous store on 127.0.0.1, and a rank's place in a group that
+meets there."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
+from collections.abc import Iterator
 from typing import Any
 
-from torchpass_slurm.rank.runtime import RankInfo
+from torchpass_slurm.rank.runtime import RankInfo, make_tcp_store
 
 
 class FakeClient:
@@ -25,6 +28,10 @@ class FakeClient:
     def close(self) -> None:
         pass
 
+    def reports(self) -> list[tuple[str, dict[str, Any]]]:
+        """(event, fields) of every report sent."""
+        return [(b["event"], b["fields"]) for k, b in self.sent if k == "report"]
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -35,3 +42,18 @@ def free_port() -> int:
 def info(rank: int, world: int, port: int, epoch: int = 0) -> RankInfo:
     return RankInfo(rank=rank, world_size=world, local_rank=0, local_world_size=1, master_addr=None,
                     master_port=None, epoch=epoch, store_addr="127.0.0.1", store_port=port)
+
+
+@contextlib.contextmanager
+def loopback_store() -> Iterator[int]:
+    """A rendezvous store on 127.0.0.1, as tp run hosts one; its port. Leaves no process group."""
+    import torch.distributed as dist
+
+    port = free_port()
+    keep = make_tcp_store("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=30))
+    try:
+        yield port
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        del keep
