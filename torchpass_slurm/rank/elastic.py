@@ -245,8 +245,14 @@ class ElasticTrainer:
         takes the highest step anyway.
         """
         self._collect_reconfigures()
+        return self._take_pending(
+            lambda b: b.planned and (b.switch_after is None or self.step >= b.switch_after)
+        )
+
+    def _take_pending(self, wanted: Callable[[Reconfigure], bool]) -> Reconfigure | None:
+        """The oldest pending reconfigure of a newer epoch that is ``wanted`` (taken, older dropped)."""
         for body in sorted(self._pending, key=lambda b: b.epoch):
-            if body.planned and body.epoch > self.rt.epoch and self.step >= (body.switch_after or self.step):
+            if body.epoch > self.rt.epoch and wanted(body):
                 self._pending = [b for b in self._pending if b.epoch > body.epoch]
                 return body
         return None
@@ -258,15 +264,14 @@ class ElasticTrainer:
                 return
             self._pending.append(body)
 
-    def _next_reconfigure(self, timeout: datetime.timedelta, epoch: int | None = None) -> Reconfigure | None:
-        """The pending or next reconfigure for a newer epoch (``epoch``: exactly that one)."""
+    def _next_reconfigure(self, timeout: datetime.timedelta) -> Reconfigure | None:
+        """The pending or next reconfigure for a newer epoch."""
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
             self._collect_reconfigures()
-            for body in sorted(self._pending, key=lambda b: b.epoch):
-                if body.epoch > self.rt.epoch and (epoch is None or body.epoch == epoch):
-                    self._pending = [b for b in self._pending if b.epoch > body.epoch]
-                    return body
+            body = self._take_pending(lambda b: True)
+            if body is not None:
+                return body
             leave_if_fenced(self.rt, self.step)
             left = deadline - time.monotonic()
             if left <= 0:
