@@ -94,8 +94,21 @@ def is_comm_error(exc: BaseException) -> bool:
     (a rendezvous that timed out) and :class:`~torchpass_slurm.errors.TransferError`,
     torch's ``DistError`` family, and a plain ``RuntimeError`` only when it comes from
     torch.distributed's C++ layer (:data:`_TORCH_COMM_ERROR`), never for words in a
-    user's message such as "timeout" or "connection".
+    user's message such as "timeout" or "connection". An error raised *from* one of
+    these (``raise ... from exc``: a ``CheckpointError`` whose save lost a peer inside its
+    gather) is one too; an error merely raised while handling one is not.
     """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if _is_comm_error_itself(current):
+            return True
+        seen.add(id(current))
+        current = current.__cause__
+    return False
+
+
+def _is_comm_error_itself(exc: BaseException) -> bool:
     if isinstance(exc, (CollectiveError, TransferError)):
         return True
     try:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchpass_slurm.control.bodies import Reconfigure
-from torchpass_slurm.errors import RendezvousTimeout, TransferError, TransferTimeout
+from torchpass_slurm.errors import CheckpointError, RendezvousTimeout, TransferError, TransferTimeout
 from torchpass_slurm.rank import elastic
 from torchpass_slurm.rank.elastic import ElasticTrainer, is_comm_error
 from torchpass_slurm.rank.runtime import RankInfo, Role, Runtime
@@ -300,3 +300,31 @@ def test_torch_gloo_errors_are_comm_errors() -> None:
                  "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
                  "waiting 3000ms for recv operation to complete"):
         assert is_comm_error(RuntimeError(text))
+
+
+def _raised_from(error: BaseException, cause: BaseException) -> BaseException:
+    try:
+        raise error from cause
+    except BaseException as exc:  # noqa: BLE001 - the test hands back what it raised
+        return exc
+
+
+def _raised_while_handling(error: BaseException, first: BaseException) -> BaseException:
+    try:
+        try:
+            raise first
+        except BaseException:  # noqa: BLE001
+            raise error  # noqa: B904 - an implicit context on purpose
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+
+
+def test_an_error_raised_from_a_failed_collective_is_a_comm_error() -> None:
+    """A peer died inside a checkpoint's gather (seen on the cluster: the rank exited 1 and was
+    blamed for its peer's death); checkpoint.save raises CheckpointError from gloo's error."""
+    wrapped = _raised_from(CheckpointError("saving the checkpoint of step 12 failed"), GLOO_RESET)
+    assert is_comm_error(wrapped)
+    assert is_comm_error(_raised_from(ValueError("outer"), wrapped))  # however deep
+    assert not is_comm_error(_raised_from(RuntimeError("a bug"), ValueError("another bug")))
+    # an error raised while handling a failed collective (not from it) is the handler's own
+    assert not is_comm_error(_raised_while_handling(KeyError("model"), GLOO_RESET))
