@@ -41,6 +41,7 @@ __all__ = [
     "STARTED",
     "WORKER_UP",
     "HEARTBEAT_LOST",
+    "RANK_HUNG",
     "STEP_EXITED",
     "NODE_DOWN",
     "DRAIN_SEEN",
@@ -66,6 +67,7 @@ SUBMITTED = "submitted"  # tp-submit handed the job to sbatch
 STARTED = "started"  # the supervisor started in the batch step
 WORKER_UP = "worker_up"  # a rank said hello
 HEARTBEAT_LOST = "heartbeat_lost"  # a rank missed its heartbeats
+RANK_HUNG = "rank_hung"  # a rank still heartbeats but makes no step progress while its peers wait
 STEP_EXITED = "step_exited"  # an srun step (one node) ended
 NODE_DOWN = "node_down"  # Slurm reports a node of the job down / gone
 DRAIN_SEEN = "drain_seen"  # an admin drain on a node of the job

@@ -6,6 +6,7 @@ A :class:`Fault` is what a detector saw (``detector``) on one node. Its
     detector            class         seen by
     step_exited         unplanned     the node's srun step ended with an error
     heartbeat_lost      unplanned     its ranks went silent past the heartbeat timeout
+    rank_hung           unplanned     a rank heartbeats but makes no step progress while its peers wait
     startup_timeout     unplanned     a started step never said hello
     node_down           unplanned     Slurm reports the node DOWN / FAIL / NOT_RESPONDING
     node_gone           unplanned     Slurm no longer lists the node in the job
@@ -45,6 +46,7 @@ class Detector(StrEnum):
 
     STEP_EXITED = "step_exited"
     HEARTBEAT_LOST = "heartbeat_lost"
+    RANK_HUNG = "rank_hung"
     STARTUP_TIMEOUT = "startup_timeout"
     NODE_DOWN = "node_down"
     NODE_GONE = "node_gone"
@@ -67,13 +69,14 @@ NODE_LOSS = frozenset(
     {
         Detector.STEP_EXITED,
         Detector.HEARTBEAT_LOST,
+        Detector.RANK_HUNG,
         Detector.STARTUP_TIMEOUT,
         Detector.NODE_DOWN,
         Detector.NODE_GONE,
     }
 )
 #: Detectors after which the node itself is not to be trusted: it is taken out of the job.
-NODE_UNTRUSTED = frozenset({Detector.HEARTBEAT_LOST, Detector.NODE_DOWN})
+NODE_UNTRUSTED = frozenset({Detector.HEARTBEAT_LOST, Detector.RANK_HUNG, Detector.NODE_DOWN})
 
 
 class Evidence(StrEnum):
@@ -91,6 +94,10 @@ class Evidence(StrEnum):
     #: silent past ``heartbeat_timeout`` with nothing else to confirm it (a hung or frozen
     #: process), or a step never up within ``startup_timeout``
     TIMEOUT = "timeout"
+    #: the job made no step progress for its hang threshold (a multiple of the median step
+    #: time, with a floor), and this node's ranks are the ones behind: silent, or still
+    #: computing a step their peers wait in
+    PROGRESS = "progress"
     #: Slurm said so (node state, job node list)
     SLURM = "slurm"
 

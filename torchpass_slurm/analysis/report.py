@@ -25,7 +25,7 @@ The rules:
   node is then out of the job, as a failed one is. A drained spare gives
   ``spare_lost``: a spare fault. A drain never acted on (the job ended first)
   is not counted.
-* **Unplanned fault.** One detection event -- ``heartbeat_lost``,
+* **Unplanned fault.** One detection event -- ``heartbeat_lost``, ``rank_hung``,
   ``node_down``, or ``step_exited`` with an ``exit_code`` other than 0 (0 is a
   rank's normal end) -- on an *active* node. Detections of the same node
   within one recovery, or later ones of a node that failed and has not
@@ -94,7 +94,7 @@ __all__ = [
 ]
 
 #: Detection kinds (``step_exited`` only with a non-zero exit code).
-DETECTION_KINDS = frozenset({ev.HEARTBEAT_LOST, ev.NODE_DOWN, ev.STEP_EXITED})
+DETECTION_KINDS = frozenset({ev.HEARTBEAT_LOST, ev.RANK_HUNG, ev.NODE_DOWN, ev.STEP_EXITED})
 #: Events that end the open recovery.
 CLOSING_KINDS = frozenset({ev.MIGRATION_DONE, ev.RESTARTED, ev.FAILED, ev.FINISHED})
 #: Phase names, in order; ``total`` is kept apart.

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 #: The event each losing detector is recorded as.
 _LOSS_EVENT = {
     Detector.HEARTBEAT_LOST: ev.HEARTBEAT_LOST,
+    Detector.RANK_HUNG: ev.RANK_HUNG,
     Detector.STARTUP_TIMEOUT: ev.HEARTBEAT_LOST,
     Detector.NODE_DOWN: ev.NODE_DOWN,
     Detector.NODE_GONE: ev.NODE_DOWN,

@@ -12,11 +12,11 @@ from .conftest import checkpoint_restart, fatal, two_live_migrations
 
 #: ``tp report --explain``'s legend at 100 columns.
 LEGEND = """\
-A fault is unplanned (the first detection -- heartbeat_lost, node_down, step_exited with exit code
-!= 0 -- of an active node; more in one recovery count once), pre-emptive (a drain after the node's
-health_warning, or with the reason "torchpass: pre-emptive") or planned (another drain); a drain
-counts once migrated (migration_started mode=planned) or deferred (drain_deferred: nothing lost).
-Resolution: deferred, else migration_done.resolution, else restarted from a checkpoint ->
+A fault is unplanned (the first detection -- heartbeat_lost, rank_hung, node_down, step_exited with
+exit code != 0 -- of an active node; more in one recovery count once), pre-emptive (a drain after
+the node's health_warning, or with the reason "torchpass: pre-emptive") or planned (another drain);
+a drain counts once migrated (migration_started mode=planned) or deferred (drain_deferred: nothing
+lost). Resolution: deferred, else migration_done.resolution, else restarted from a checkpoint ->
 checkpoint, else failed -> fatal. Phases (s): detect = last heartbeat -> detected (none for a drain,
 detected at drain_seen or health_warning), decide = -> migration_started, rebuild = -> last
 group_rebuilt, agree = -> agreement, transfer = -> last transfer_done, first step = -> first_step;
