@@ -27,18 +27,53 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import reprlib
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from torchpass_slurm.errors import TransferError
 
-__all__ = ["Manifest", "TensorEntry", "DIGESTS", "FORMAT", "build_manifest", "materialize", "MAX_CHUNK_BYTES"]
+__all__ = [
+    "Manifest",
+    "TensorEntry",
+    "DIGESTS",
+    "DENSE_DTYPES",
+    "FORMAT",
+    "build_manifest",
+    "MAX_CHUNK_BYTES",
+    "MAX_DEPTH",
+]
 
 FORMAT = "torchpass-state/1"
 #: Largest chunk a receiver accepts (bounds its staging memory).
 MAX_CHUNK_BYTES = 1 << 30
+#: Deepest nesting of the state tree (and of ``meta``) a receiver accepts; states are ~5 deep.
+MAX_DEPTH = 64
+#: Most dimensions a tensor may have (torch's own limit).
+MAX_DIMS = 64
+#: Largest size, offset or count in a manifest (and its digits, checked while parsing).
+MAX_INT = (1 << 63) - 1
+_MAX_INT_DIGITS = len(str(MAX_INT))
+#: The only dtypes a receiver allocates, with their item size: dense floats, ints, bool, complex.
+#: Quantized (qint8, quint4x2: torch.empty of those can crash), bit and sub-byte dtypes are refused.
+DENSE_DTYPES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "complex128": 16,
+    "complex64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 
 
 def _blake2b(data: memoryview) -> bytes:
@@ -103,14 +138,12 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
-        """Parse and validate a manifest; TransferError says what is wrong."""
-        try:
-            doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise TransferError(
-                f"the state manifest is not valid JSON: {exc}",
-                hint="donor and receiver must run the same torchpass-slurm version",
-            ) from None
+        """Parse and validate a manifest; TransferError says what is wrong.
+
+        Nothing here allocates a tensor; every way the bytes can be wrong ends
+        in a TransferError (docs/design/transfer.md lists the checks).
+        """
+        doc = _parse_json(data)
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             seen = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
             raise TransferError(
@@ -118,22 +151,31 @@ class Manifest:
                 hint="donor and receiver must run the same torchpass-slurm version",
             )
         algo = doc.get("digest_algo")
-        if algo not in DIGESTS:
+        if not isinstance(algo, str) or algo not in DIGESTS:
             raise TransferError(
-                f"the state manifest uses digest algorithm {algo!r}; this receiver knows "
+                f"the state manifest uses digest algorithm {_show(algo)}; this receiver knows "
                 f"{', '.join(sorted(DIGESTS))}",
                 hint="donor and receiver must run the same torchpass-slurm version",
             )
         numbers: dict[str, int] = {}
         for key in ("total_bytes", "chunk_bytes", "n_chunks"):
             value = doc.get(key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise TransferError(f"the state manifest's {key} is {value!r}, expected a non-negative int")
+            if not _is_count(value):
+                raise TransferError(
+                    f"the state manifest's {key} is {_show(value)}, expected an int in 0..{MAX_INT}"
+                )
             numbers[key] = value
+        tree = doc.get("tree")
+        if not (isinstance(tree, dict) and tree.get("t") == "dict"):
+            raise TransferError(
+                f"the state manifest's root is {_kind(tree)}, expected a dict node",
+                hint="a state is a mapping (a dict of state dicts)",
+            )
         entries: list[TensorEntry] = []
-        _check_tree(doc.get("tree"), "", entries)
+        _check_tree(tree, "", entries, 0)
+        _check_plain(doc.get("meta"), "meta", 0)
         manifest = cls(
-            doc["tree"],
+            tree,
             numbers["total_bytes"],
             numbers["chunk_bytes"],
             numbers["n_chunks"],
@@ -143,6 +185,48 @@ class Manifest:
         )
         _check_layout(manifest)
         return manifest
+
+
+def _parse_json(data: bytes) -> Any:
+    """Strict JSON: no NaN/Infinity, no integers beyond MAX_INT's digits; never RecursionError."""
+
+    def refuse_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=refuse_constant, parse_int=_parse_int)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        why = "nested too deeply" if isinstance(exc, RecursionError) else f"{exc}"[:200]
+        raise TransferError(
+            f"the state manifest is not valid JSON: {why}",
+            hint="donor and receiver must run the same torchpass-slurm version",
+        ) from None
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text)} digits")
+    return int(text)
+
+
+def _is_count(value: Any) -> TypeGuard[int]:
+    """A non-negative int a receiver can use as a size (bool is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT
+
+
+_PREVIEW = reprlib.Repr()
+_PREVIEW.maxlevel, _PREVIEW.maxstring, _PREVIEW.maxother, _PREVIEW.maxlist, _PREVIEW.maxdict = 3, 60, 60, 4, 6
+
+
+def _show(value: Any) -> str:
+    """A short repr of untrusted JSON for messages (bounded in length and depth)."""
+    return _PREVIEW.repr(value)
+
+
+def _kind(node: Any) -> str:
+    if isinstance(node, dict):
+        return f"a {str(node.get('t'))[:20]!r} node"
+    return f"a JSON {type(node).__name__}"
 
 
 # --- donor side: state -> manifest -------------------------------------------------
@@ -204,14 +288,15 @@ def _encode(obj: Any, path: str, tensors: list[Any], entries: list[TensorEntry])
 def _encode_tensor(t: Any, path: str, tensors: list[Any], entries: list[TensorEntry]) -> dict[str, Any]:
     import torch
 
-    if t.layout != torch.strided or t.is_quantized:
+    dtype = str(t.dtype).removeprefix("torch.")
+    if t.layout != torch.strided or t.is_quantized or dtype not in DENSE_DTYPES:
         raise TransferError(
-            f"cannot transfer the {t.layout} tensor at {path}: only dense tensors",
-            hint="convert it with .to_dense() / .dequantize() in state_dict()",
+            f"cannot transfer the {t.layout} {dtype} tensor at {path}: only dense tensors of "
+            f"{', '.join(DENSE_DTYPES)}",
+            hint="convert it with .to_dense() / .dequantize() / .to(dtype) in state_dict()",
         )
     offset = entries[-1].offset + entries[-1].nbytes if entries else 0
     nbytes = t.numel() * t.element_size()
-    dtype = str(t.dtype).removeprefix("torch.")
     entries.append(TensorEntry(path, dtype, tuple(t.shape), offset, nbytes))
     tensors.append(t)
     return {"t": "tensor", "dtype": dtype, "shape": list(t.shape), "offset": offset, "nbytes": nbytes}
@@ -220,58 +305,109 @@ def _encode_tensor(t: Any, path: str, tensors: list[Any], entries: list[TensorEn
 # --- receiver side: validation and materialization ------------------------------------
 
 
-def _check_tree(node: Any, path: str, entries: list[TensorEntry]) -> None:
+def _check_tree(node: Any, path: str, entries: list[TensorEntry], depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise TransferError(
+            f"the state manifest nests deeper than {MAX_DEPTH} levels at {path[:200]}",
+            hint="a training state is a few levels deep; the donor is not a torchpass donor",
+        )
     if node is None or isinstance(node, (bool, int, str)):
         return
     kind = node.get("t") if isinstance(node, dict) else None
-    if kind == "float" and isinstance(node.get("hex"), str):
+    if kind == "float" and set(node) == {"t", "hex"}:
+        _check_float_hex(node["hex"], path)
         return
-    if kind == "dict" and isinstance(node.get("items"), list):
-        for pair in node["items"]:
-            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], (str, int))):
+    items = node.get("items") if isinstance(node, dict) else None
+    if kind == "dict" and isinstance(items, list):
+        seen: set[tuple[type, Any]] = set()
+        for pair in items:
+            if not (isinstance(pair, list) and len(pair) == 2 and _is_key(pair[0])):
                 raise TransferError(
-                    f"the state manifest has a malformed dict item at {path or '/'}: {pair!r:.80}"
+                    f"the state manifest has a malformed dict item at {path or '/'}: {_show(pair)}",
+                    hint="items are [key, node] pairs with a str or int (not bool) key",
                 )
-            _check_tree(pair[1], f"{path}/{pair[0]}", entries)
+            if (type(pair[0]), pair[0]) in seen:
+                raise TransferError(f"the state manifest repeats the key {pair[0]!r:.80} at {path or '/'}")
+            seen.add((type(pair[0]), pair[0]))
+            _check_tree(pair[1], f"{path}/{pair[0]}", entries, depth + 1)
         return
-    if kind in ("list", "tuple") and isinstance(node.get("items"), list):
-        for i, item in enumerate(node["items"]):
-            _check_tree(item, f"{path}/{i}", entries)
+    if kind in ("list", "tuple") and isinstance(items, list):
+        for i, item in enumerate(items):
+            _check_tree(item, f"{path}/{i}", entries, depth + 1)
         return
     if kind == "tensor":
         entries.append(_check_tensor_node(node, path))
         return
     raise TransferError(
-        f"the state manifest has an unknown node at {path or '/'}: {node!r:.80}",
+        f"the state manifest has an unknown node at {path or '/'}: {_show(node)}",
         hint="donor and receiver must run the same torchpass-slurm version",
     )
+
+
+def _is_key(key: Any) -> bool:
+    return isinstance(key, str) or (isinstance(key, int) and not isinstance(key, bool))
+
+
+def _check_float_hex(text: Any, path: str) -> None:
+    if not isinstance(text, str) or len(text) > 40:
+        raise TransferError(f"the state manifest has a malformed float at {path or '/'}: {_show(text)}")
+    try:
+        float.fromhex(text)
+    except (ValueError, OverflowError):
+        raise TransferError(
+            f"the state manifest has a float at {path or '/'} that is not float.hex: {text!r}"
+        ) from None
+
+
+def _check_plain(value: Any, path: str, depth: int) -> None:
+    """``meta``: plain JSON (NaN was refused by the parser), bounded nesting."""
+    if depth > MAX_DEPTH:
+        raise TransferError(f"the state manifest's {path} nests deeper than {MAX_DEPTH} levels")
+    if isinstance(value, dict):
+        for v in value.values():
+            _check_plain(v, path, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _check_plain(v, path, depth + 1)
 
 
 def _check_tensor_node(node: dict[str, Any], path: str) -> TensorEntry:
     dtype, shape = node.get("dtype"), node.get("shape")
     offset, nbytes = node.get("offset"), node.get("nbytes")
     if not (
-        isinstance(shape, list)
-        and all(isinstance(d, int) and d >= 0 for d in shape)
-        and isinstance(offset, int)
-        and isinstance(nbytes, int)
+        set(node) == {"t", "dtype", "shape", "offset", "nbytes"}
+        and isinstance(shape, list)
+        and len(shape) <= MAX_DIMS
+        and all(_is_count(d) for d in shape)
+        and _is_count(offset)
+        and _is_count(nbytes)
     ):
-        raise TransferError(f"the state manifest has a malformed tensor at {path}: {node!r:.120}")
-    if not isinstance(dtype, str) or dtype_of(dtype) is None:
-        raise TransferError(f"the state manifest has an unknown dtype {dtype!r} at {path}")
+        raise TransferError(
+            f"the state manifest has a malformed tensor at {path}: {_show(node)}",
+            hint=f"a tensor node has t, dtype, shape (at most {MAX_DIMS} ints >= 0), offset and nbytes",
+        )
+    if not isinstance(dtype, str) or dtype not in DENSE_DTYPES:
+        raise TransferError(
+            f"the state manifest has dtype {_show(dtype)} at {path}; this receiver accepts "
+            f"{', '.join(DENSE_DTYPES)}",
+            hint="quantized, sparse and other special tensors are not transferred",
+        )
+    assert isinstance(offset, int) and isinstance(nbytes, int)  # checked above, for the type checker
     return TensorEntry(path, dtype, tuple(shape), offset, nbytes)
 
 
 def _check_layout(m: Manifest) -> None:
     expected = 0
     for e in m.entries:
-        itemsize = dtype_of(e.dtype).itemsize
+        itemsize = DENSE_DTYPES[e.dtype]
         if e.offset != expected or e.nbytes != math.prod(e.shape) * itemsize:
             raise TransferError(
                 f"the state manifest's layout is inconsistent at {e.path}: offset {e.offset} "
                 f"(expected {expected}), {e.nbytes} bytes for shape {list(e.shape)} {e.dtype}"
             )
         expected += e.nbytes
+        if expected > MAX_INT:
+            raise TransferError(f"the state manifest's tensors claim more than {MAX_INT} bytes")
     if expected != m.total_bytes:
         raise TransferError(
             f"the state manifest says total_bytes={m.total_bytes} but its tensors hold {expected}"
@@ -288,53 +424,10 @@ def _check_layout(m: Manifest) -> None:
 
 
 def dtype_of(name: Any) -> Any:
-    """The torch dtype called ``name`` ("float32"), or None."""
+    """The torch dtype called ``name`` ("float32") if it is one of DENSE_DTYPES, else None."""
     import torch
 
-    value = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(name, str) or name not in DENSE_DTYPES:
+        return None
+    value = getattr(torch, name, None)
     return value if isinstance(value, torch.dtype) else None
-
-
-def materialize(manifest: Manifest, into: Any = None) -> tuple[Any, list[Any]]:
-    """Build the state the manifest describes and its destination tensors in stream order.
-
-    A contiguous tensor of ``into`` at the same path with the same dtype and
-    shape is reused (filled in place later, on its own device); other tensors
-    are allocated on the CPU.
-    """
-    tensors: list[Any] = []
-    return _decode(manifest.tree, into, tensors), tensors
-
-
-def _decode(node: Any, into: Any, tensors: list[Any]) -> Any:
-    if node is None or isinstance(node, (bool, int, str)):
-        return node
-    kind = node["t"]
-    if kind == "float":
-        return float.fromhex(node["hex"])
-    if kind == "dict":
-        sub = into if isinstance(into, Mapping) else {}
-        return {key: _decode(value, sub.get(key), tensors) for key, value in node["items"]}
-    if kind in ("list", "tuple"):
-        seq = into if isinstance(into, (list, tuple)) else ()
-        items = [_decode(v, seq[i] if i < len(seq) else None, tensors) for i, v in enumerate(node["items"])]
-        return tuple(items) if kind == "tuple" else items
-    return _destination(node, into, tensors)
-
-
-def _destination(node: dict[str, Any], into: Any, tensors: list[Any]) -> Any:
-    import torch
-
-    dtype, shape = dtype_of(node["dtype"]), tuple(node["shape"])
-    if (
-        isinstance(into, torch.Tensor)
-        and into.dtype == dtype
-        and tuple(into.shape) == shape
-        and into.layout == torch.strided
-        and into.is_contiguous()
-    ):
-        tensor = into
-    else:
-        tensor = torch.empty(shape, dtype=dtype)
-    tensors.append(tensor)
-    return tensor

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 from torchpass_slurm.errors import ConfigError, TransferError
 from torchpass_slurm.transfer.chunks import ChunkMap, pack_header, recv_ints, send_ints, unpack_header
-from torchpass_slurm.transfer.manifest import DIGESTS, Manifest, build_manifest, materialize
+from torchpass_slurm.transfer.manifest import DIGESTS, Manifest, build_manifest
+from torchpass_slurm.transfer.materialize import alloc_limit, check_allocation, materialize
 from torchpass_slurm.transfer.transport import Handle, Transport
 
 if TYPE_CHECKING:
@@ -247,17 +248,23 @@ def recv_state(
     timeout: timedelta,
     into: Mapping[Any, Any] | None = None,
     progress: ReceiveProgress | None = None,
+    max_alloc_bytes: int | None = None,
 ) -> tuple[dict[Any, Any], TransferStats]:
     """Receive a state from the donor at the other end of ``transport``.
 
     Tensors of ``into`` with the same path, dtype and shape (and contiguous)
-    are filled in place; the rest is allocated. With ``progress`` from a failed
-    attempt, a donor holding the same state continues where the last one
-    stopped. Returns the state (a dict) and the stats of this call.
+    are filled in place; the rest is allocated, at most ``max_alloc_bytes``
+    (default: :func:`~torchpass_slurm.transfer.materialize.alloc_limit` of
+    ``into``), or the manifest is refused before anything is allocated. With
+    ``progress`` from a failed attempt, a donor holding the same state
+    continues where the last one stopped. Returns the state (a dict) and the
+    stats of this call. A manifest refused for any reason is answered with
+    "rejected" (the donor raises) and raises TransferError here.
     """
     began = time.monotonic()
     progress = progress if progress is not None else ReceiveProgress()
-    manifest, raw_len = _recv_manifest(transport, timeout, progress, into)
+    limit = alloc_limit(into) if max_alloc_bytes is None else max_alloc_bytes
+    manifest, raw_len = _recv_manifest(transport, timeout, progress, into, limit)
     start = progress.received
     send_ints(transport, [start], timeout)
     stats = TransferStats(resumed_from=start, manifest_bytes=raw_len)
@@ -294,7 +301,11 @@ def recv_state(
 
 
 def _recv_manifest(
-    transport: Transport, timeout: timedelta, progress: ReceiveProgress, into: Mapping[Any, Any] | None
+    transport: Transport,
+    timeout: timedelta,
+    progress: ReceiveProgress,
+    into: Mapping[Any, Any] | None,
+    limit: int,
 ) -> tuple[Manifest, int]:
     """Read header + manifest, set up ``progress`` (resume or restart); reject politely on errors."""
     import hashlib
@@ -315,26 +326,54 @@ def _recv_manifest(
     raw = torch.empty(length, dtype=torch.uint8)
     transport.recv(raw, timeout)
     data = bytes(raw.numpy())
+    digest = hashlib.sha256(data).hexdigest()
     try:
-        manifest = Manifest.from_json(data)
+        manifest = _decode_manifest(data, digest, progress, into, limit)
     except TransferError:
         _reject(transport, timeout)
         raise
-    digest = hashlib.sha256(data).hexdigest()
-    if progress.manifest_digest == digest:
-        logger.info(
-            "resuming a state transfer at chunk %d of %d (%d bad to resend)",
-            progress.received,
-            manifest.n_chunks,
-            len(progress.bad),
-        )
-    else:
-        if progress.manifest_digest is not None:
-            logger.info("the donor's state differs from the interrupted transfer's; starting over")
-        state, tensors = materialize(manifest, into)
-        progress.manifest_digest, progress.received, progress.bad = digest, 0, set()
-        progress.state, progress.tensors = state, tensors
     return manifest, length
+
+
+#: What decoding untrusted bytes may raise despite the checks; each becomes a TransferError.
+_DECODE_ERRORS = (
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    RecursionError,
+    OverflowError,
+    MemoryError,
+    RuntimeError,
+)
+
+
+def _decode_manifest(
+    data: bytes, digest: str, progress: ReceiveProgress, into: Mapping[Any, Any] | None, limit: int
+) -> Manifest:
+    """Parse, bound and (unless resuming) materialize; every failure is a TransferError."""
+    try:
+        manifest = Manifest.from_json(data)
+        if progress.manifest_digest == digest:
+            logger.info(
+                "resuming a state transfer at chunk %d of %d (%d bad to resend)",
+                progress.received,
+                manifest.n_chunks,
+                len(progress.bad),
+            )
+            return manifest
+        check_allocation(manifest, into, limit)
+        state, tensors = materialize(manifest, into)
+    except _DECODE_ERRORS as exc:  # a check this receiver lacks: still the donor's fault, and told
+        raise TransferError(
+            f"the state manifest could not be decoded: {type(exc).__name__}: {str(exc)[:200]}",
+            hint="donor and receiver must run the same torchpass-slurm version",
+        ) from exc
+    if progress.manifest_digest is not None:
+        logger.info("the donor's state differs from the interrupted transfer's; starting over")
+    progress.manifest_digest, progress.received, progress.bad = digest, 0, set()
+    progress.state, progress.tensors = state, tensors
+    return manifest
 
 
 def _reject(transport: Transport, timeout: timedelta) -> None:
