@@ -6,11 +6,13 @@ hot spare) when it reaches the fault step:
     rank process killed   SIGKILL to the training process (its node stays up)
     node killed           the node's container is killed (power loss)
     rank hung             SIGSTOP to the training process (it neither heartbeats nor steps)
+    rank stuck in Python  SIGUSR1: its training thread hangs before its next step
+                          (tiny_gpt.py --hang-on-sigusr1); its heartbeats go on
     node partitioned      the node is cut off the cluster network (it runs on, unheard)
 
 Each runs under the current defaults and under the settings the supervisor
 had before detection weighed its evidence (2 s heartbeats, 6 s silence
-threshold, 20 s heartbeat timeout, 7 s settle), set through the
+threshold, 20 s heartbeat timeout, 7 s settle, no hang detector), set through the
 ``TORCHPASS_<SETTING>`` variables, in the same session. Times are measured
 from the injection (wall clock of the host, which the containers share) to
 the job's first loss event (``detection``) and to rank 0's first committed
@@ -29,11 +31,13 @@ from benchmarks.runs import Sizing
 from torchpass_slurm import events as ev
 
 #: The supervisor's settings before issue 12 (the baseline of this benchmark).
+#: It had no hang detector: its floor is set out of reach.
 PREVIOUS_SETTINGS = {"TORCHPASS_HEARTBEAT_INTERVAL": "2", "TORCHPASS_SILENCE_THRESHOLD": "6",
-                     "TORCHPASS_HEARTBEAT_TIMEOUT": "20", "TORCHPASS_FAULT_SETTLE": "7"}
+                     "TORCHPASS_HEARTBEAT_TIMEOUT": "20", "TORCHPASS_FAULT_SETTLE": "7",
+                     "TORCHPASS_HANG_FLOOR": "100000"}
 SETTINGS = {"current": {}, "previous": PREVIOUS_SETTINGS}
 TRAINING = "python3 /src/sbatch-examples/tiny_gpt.py"
-LOSS_EVENTS = (ev.HEARTBEAT_LOST, ev.STEP_EXITED, ev.NODE_DOWN)
+LOSS_EVENTS = (ev.HEARTBEAT_LOST, ev.RANK_HUNG, ev.STEP_EXITED, ev.NODE_DOWN)
 
 
 def _signal_rank(signal_name: str, kind: str) -> jobs.Injector:
@@ -58,13 +62,15 @@ CASES: dict[str, jobs.Injector] = {
     "rank process killed": _signal_rank("KILL", "rank-kill"),
     "node killed": _cluster_fault(jobs.CLUSTER.kill, "kill"),
     "rank hung": _signal_rank("STOP", "rank-stop"),
+    "rank stuck in Python": _signal_rank("USR1", "rank-stuck"),
     "node partitioned": _cluster_fault(jobs.CLUSTER.partition, "partition"),
 }
 
 
 def detection(size: Sizing) -> dict[str, Any]:
     """Every case under every setting: detection, fault to first step, rebuild, evidence."""
-    args = size.train_args(size.recovery_steps, ckpt_every=size.ckpt_every, step_sleep=size.step_sleep)
+    args = [*size.train_args(size.recovery_steps, ckpt_every=size.ckpt_every, step_sleep=size.step_sleep),
+            "--hang-on-sigusr1"]
     out: dict[str, Any] = {"train_args": args, "fault_at_step": size.recovery_fault_at,
                            "previous_settings": PREVIOUS_SETTINGS, "cases": {}}
     for case, inject in CASES.items():
@@ -103,12 +109,12 @@ def timings(events: list[ev.Event], injected: float) -> dict[str, Any]:
 
 
 def _repair(job: jobs.Job) -> None:
-    """Power the killed node on, plug the cut one back in, free the stopped rank's node."""
+    """Power the killed node on, plug the cut one back in, free the stopped or stuck rank's node."""
     for fault in job.faults:
         node = fault["node"]
         if fault["kind"] == "partition" and not jobs.CLUSTER.attached(node):
             jobs.CLUSTER.heal(node)
-        elif fault["kind"] == "rank-stop":
+        elif fault["kind"] in ("rank-stop", "rank-stuck"):
             jobs.on(node, "pkill", "-KILL", "-f", TRAINING, check=False)
     jobs.CLUSTER.ensure_healthy()
 

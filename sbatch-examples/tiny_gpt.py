@@ -30,6 +30,7 @@ import hashlib
 import logging
 import math
 import os
+import signal
 import sys
 import time
 import warnings
@@ -188,6 +189,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch CPU threads (default $SLURM_CPUS_PER_TASK or 1; results depend on it)")
     p.add_argument("--fail-at-step", type=int, default=None,
                    help="fault injection: exit with status 17 once this many steps are done")
+    p.add_argument("--hang-on-sigusr1", action="store_true",
+                   help="fault injection: after SIGUSR1 the training thread hangs at its next step for good "
+                        "while its heartbeat thread goes on (a rank stuck in its data loader)")
     p.add_argument("--plain-ddp", action="store_true",
                    help="train with plain torch DDP, without torchpass (the baseline of the benchmarks)")
     p.add_argument("--warmup-steps", type=int, default=3,
@@ -298,12 +302,12 @@ def plain_main(args: argparse.Namespace) -> int:
     loss = torch.tensor(float("nan"))
     for step in range(start, args.steps):
         opt.zero_grad(set_to_none=True)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         loss = loss_of(args, ddp, step, rank, world)
         opt.step()
         done = step + 1
         after_step(args, done, loss, meter, state, ckpt_dir)
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
     print_end(args, loss, meter, model, opt)
     if world > 1:
         # No destroy_process_group(): with gloo it hangs now and then when rank 0,
@@ -311,6 +315,31 @@ def plain_main(args: argparse.Namespace) -> int:
         # then the process ends and the group with it.
         dist.barrier()
     return 0
+
+
+class HangInjection:
+    """``--hang-on-sigusr1``: SIGUSR1 asks the training thread to hang at its next step.
+
+    The signal only sets a flag (Python runs handlers in the main thread, between two
+    bytecodes: anywhere in the step). The step then hangs where a stuck data loader would,
+    before its forward, in Python; the heartbeat thread goes on, so only the lack of
+    progress shows it.
+    """
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
+        self.requested = False
+        signal.signal(signal.SIGUSR1, self._request)
+
+    def _request(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def maybe_hang(self, step: int) -> None:
+        if not self.requested:
+            return
+        self.log.warning("fault injection: the training thread hangs before step %d (SIGUSR1)", step)
+        while True:
+            time.sleep(3600)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,8 +367,13 @@ def main(argv: list[str] | None = None) -> int:
         rt.log.info("resumed at step %d from %s", trainer.step, ckpt_dir)
 
     meter = Throughput(args, rank, world)
+    hang = HangInjection(rt.log) if args.hang_on_sigusr1 else None
 
     def train_step(step: int, ddp_model: nn.Module) -> torch.Tensor:
+        if hang is not None:
+            hang.maybe_hang(step)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)  # part of the step's compute, before the forward
         return loss_of(args, ddp_model, step, rank, world)  # backward is the commit point
 
     def on_commit(done: int, loss: torch.Tensor) -> None:
@@ -348,8 +382,6 @@ def main(argv: list[str] | None = None) -> int:
             rt.log.warning("fault injection: exiting at step %d", done)
             sys.stdout.flush()
             os._exit(17)
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
 
     loss = trainer.fit(train_step, args.steps, on_commit)
     if trainer.released:  # this node is being drained; a spare carries on with the state

@@ -98,7 +98,7 @@ def env_int(name: str, default: int | None = None, *, minimum: int = 0) -> int:
 
 @dataclass(frozen=True)
 class SupervisorConfig:
-    """Timing of the supervisor (tp run). All values in seconds."""
+    """Timing of the supervisor (tp run). All values in seconds, but ``hang_factor``."""
 
     #: Interval between worker heartbeats (4 Hz: a silent node is noticed within a second).
     heartbeat_interval: float = 0.25
@@ -109,6 +109,12 @@ class SupervisorConfig:
     #: Silence that nothing confirms (the node still answers: a frozen or hung process) is
     #: declared a loss after this long.
     heartbeat_timeout: float = 5.0
+    #: A job whose highest step has not moved for max(``hang_floor``, ``hang_factor`` x its
+    #: median step time) while every rank computes or synchronises a step is hung: the ranks
+    #: behind are blamed (the silent ones, else those still computing a step their peers wait
+    #: in). Ranks in ``on_commit`` (checkpoints) or recovering are never judged so.
+    hang_factor: float = 4.0
+    hang_floor: float = 2.0
     #: Ambiguous evidence (a step exit when the ranks do not all run the elastic loop, a
     #: failed collective that names nobody silent) is weighed this long at most; confirmed
     #: evidence ends the window early. At its end the steps silent all along are blamed,

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.cluster
 SOAK_S = float(os.environ.get("TP_SOAK_SECONDS", "120"))
 STEP_SLEEP_S = 0.4
 #: Events that would mean something was declared wrong with a healthy job.
-FAULT_KINDS = {"heartbeat_lost", "node_down", "migration_started", "restarted", "fenced", "failed",
-               "spare_lost", "drain_seen", "health_warning"}
+FAULT_KINDS = {"heartbeat_lost", "rank_hung", "node_down", "migration_started", "restarted", "fenced",
+               "failed", "spare_lost", "drain_seen", "health_warning"}
 HOG = "exec python3 -c 'while True: pass'"
 
 

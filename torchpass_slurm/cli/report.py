@@ -79,7 +79,8 @@ UNBOUNDED_WIDTH = 10_000
 
 #: How to read the tables: printed under them with ``--explain`` (and in docs/user-guide.md).
 LEGEND = (
-    "A fault is unplanned (the first detection -- heartbeat_lost, rank_hung, node_down, step_exited with exit code "
+    "A fault is unplanned (the first detection -- heartbeat_lost, rank_hung, node_down, step_exited "
+    "with exit code "
     "!= 0 -- of an active node; more in one recovery count once), pre-emptive (a drain after the node's "
     'health_warning, or with the reason "torchpass: pre-emptive") or planned (another drain); a drain '
     "counts once migrated (migration_started mode=planned) or deferred (drain_deferred: nothing lost). "

@@ -43,7 +43,9 @@ from typing import TYPE_CHECKING, Any
 from torchpass_slurm.control.bodies import PromoteMode, Reconfigure
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.errors import CollectiveError, TransferError
+from torchpass_slurm.phase import Phase
 from torchpass_slurm.rank.group import destroy_group, release_references
+from torchpass_slurm.rank.handover import Handover
 from torchpass_slurm.rank.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -56,8 +58,6 @@ logger = logging.getLogger(__name__)
 RECONFIGURE_TIMEOUT = datetime.timedelta(seconds=120)
 #: How long building an epoch's group waits for every rank to join.
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)
-#: Timeout of one state transfer call.
-TRANSFER_TIMEOUT = datetime.timedelta(seconds=120)
 
 #: The keyword arguments of every DDP wrap (the first, and the fresh one after each migration);
 #: ``ElasticTrainer(ddp_kwargs=...)`` overrides them key by key. ``find_unused_parameters=True``
@@ -165,19 +165,22 @@ class ElasticTrainer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.state = dict(state)
+        self.handover = Handover(rt, self.state)
         self.backend = backend
         self.ddp_kwargs = {**DEFAULT_DDP_KWARGS, **(ddp_kwargs or {})}
         self.step = start_step
         self.ddp_model: nn.Module = model
         self.migrations = 0
-        self._progress: Any = None  # transfer progress, kept across a donor's death
         self._first_step_pending = False
-        #: True once this rank received the training state from a replica
-        self.received_state = False
         #: True once this rank left the job (its node was drained); the loop ends
         self.released = False
         self._started = False
         self._pending: list[Reconfigure] = []
+
+    @property
+    def received_state(self) -> bool:
+        """True once this rank received the training state from a replica."""
+        return self.handover.received
 
     # -- the loop ------------------------------------------------------------
     def start(self) -> None:
@@ -230,6 +233,7 @@ class ElasticTrainer:
         while self.step < steps and not self.released:
             leave_if_fenced(self.rt, self.step)
             self.optimizer.zero_grad(set_to_none=True)
+            self.rt.state = Phase.COMPUTE  # SYNC once the model's forward returned (_wrap)
             try:
                 loss = train_step(self.step, self.ddp_model)
             except Exception as exc:  # judged at the step boundary: a failed collective, or a bug
@@ -237,6 +241,7 @@ class ElasticTrainer:
                 continue
             self._commit()
             if on_commit is not None:
+                self.rt.state = Phase.HOOK
                 try:
                     on_commit(self.step, loss)
                 except Exception as exc:  # judged the same way; the step stays committed
@@ -245,6 +250,7 @@ class ElasticTrainer:
             switch = self._planned_switch_due()
             if switch is not None:
                 self._reconfigure(switch)
+        self.rt.state = Phase.RUNNING
         return loss
 
     def _planned_switch_due(self) -> Reconfigure | None:
@@ -307,6 +313,7 @@ class ElasticTrainer:
     def _recover_or_raise(self, exc: Exception) -> None:
         if not is_comm_error(exc) or self.rt.role.value == "plain":
             raise exc  # a bug, or no supervisor to reconfigure the group (plain srun/torchrun)
+        self.rt.state = Phase.RECOVERING
         self.rt.log.warning("collective failed at step %d: %s", self.step, str(exc)[:200])
         self._tear_down(exc)
         self.rt.report(
@@ -342,6 +349,7 @@ class ElasticTrainer:
         destroy_group(self.rt.log)
 
     def _reconfigure(self, body: Reconfigure) -> None:
+        self.rt.state = Phase.RECOVERING
         if self.rt.rank in body.leave:
             self._release(body)
             return
@@ -364,73 +372,7 @@ class ElasticTrainer:
 
     def _sync_state(self) -> None:
         """Agree on the committed step; ranks behind it receive the state from a replica."""
-        import torch
-        import torch.distributed as dist
-
-        world = dist.get_world_size()
-        mine = torch.tensor([self.step], dtype=torch.int64)
-        steps = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(steps, mine)
-        held = [int(t.item()) for t in steps]
-        committed = max(held)
-        donors = [r for r, s in enumerate(held) if s == committed]
-        receivers = [r for r, s in enumerate(held) if s < committed]
-        if self.rt.rank == 0:
-            self.rt.report(
-                ReportKind.AGREEMENT,
-                committed_step=committed,
-                receivers=receivers,
-                donors=donors,
-                epoch=self.rt.epoch,
-            )
-        plan = {recv: donors[i % len(donors)] for i, recv in enumerate(receivers)}
-        for recv, donor in plan.items():
-            if self.rt.rank == donor:
-                self._send_state(recv, committed)
-            elif self.rt.rank == recv:
-                self._receive_state(donor, committed)
-        # Ranks outside the transfer wait here for as long as a transfer may take,
-        # not just one collective's timeout.
-        if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=TRANSFER_TIMEOUT)
-        else:  # monitored_barrier is gloo-only; the group's collective timeout applies
-            dist.barrier()
-        self.step = committed
-
-    def _state_dicts(self) -> dict[str, Any]:
-        return {name: obj.state_dict() for name, obj in self.state.items()}
-
-    def _send_state(self, receiver: int, step: int) -> None:
-        from torchpass_slurm.transfer import TorchTransport, send_state
-
-        stats = send_state(
-            TorchTransport(receiver), self._state_dicts(), timeout=TRANSFER_TIMEOUT, meta={"step": step}
-        )
-        self.rt.log.info("sent the state of step %d to rank %d: %s", step, receiver, stats)
-
-    def _receive_state(self, donor: int, step: int) -> None:
-        from torchpass_slurm.transfer import ReceiveProgress, TorchTransport, recv_state
-
-        if self._progress is None:
-            self._progress = ReceiveProgress()
-        received, stats = recv_state(
-            TorchTransport(donor), timeout=TRANSFER_TIMEOUT, into=self._state_dicts(), progress=self._progress
-        )
-        for name, obj in self.state.items():
-            obj.load_state_dict(received[name])
-        self._progress = None
-        self.received_state = True
-        self.rt.report(
-            ReportKind.TRANSFER_DONE,
-            donor=donor,
-            receiver=self.rt.rank,
-            step=step,
-            bytes=stats.bytes,
-            seconds=round(stats.seconds, 4),
-            retries=stats.retries,
-            resumed_from=stats.resumed_from,
-            epoch=self.rt.epoch,
-        )
+        self.step = self.handover.sync(self.step)
 
     def _wrap(self) -> None:
         import torch.distributed as dist
@@ -439,5 +381,11 @@ class ElasticTrainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.ddp_model = DDP(self.model, **self.ddp_kwargs)
+            self.ddp_model.register_forward_hook(self._forward_done)
         else:
             self.ddp_model = self.model
+
+    def _forward_done(self, *_: object) -> None:
+        """The model's forward returned: the backward's all-reduce is next (the hang detector
+        tells a rank stuck before it from peers waiting in it, ``torchpass_slurm.phase``)."""
+        self.rt.state = Phase.SYNC

@@ -56,6 +56,7 @@ from torchpass_slurm.config import (
 from torchpass_slurm.control.bodies import Promote, Reconfigure
 from torchpass_slurm.control.messages import Kind, ReportKind
 from torchpass_slurm.errors import ControlPlaneError
+from torchpass_slurm.phase import Phase
 from torchpass_slurm.rank.group import destroy_group, superseding
 from torchpass_slurm.rank.link import (
     ClientFactory,
@@ -121,7 +122,7 @@ class Runtime:
         self.job_id = environ.get(ENV_JOB_ID) or environ.get("SLURM_JOB_ID") or "-"
         self.node = environ.get(ENV_NODE) or environ.get("SLURMD_NODENAME") or "-"
         self.step: int | None = None
-        self.state = "starting"
+        self.state = Phase.STARTING
         self.is_spare_promoted = False
         self.stop_requested = threading.Event()
         self.log = _RankAdapter(logger, self)
@@ -169,7 +170,7 @@ class Runtime:
             self._wait_for_promotion(standby_timeout)
         assert self.info is not None
         self.info.export(self._environ)
-        self.state = "running"
+        self.state = Phase.RUNNING
         if self._client is not None:
             self._send(Kind.HELLO, self._hello_body())
             self._start_heartbeat()
@@ -277,7 +278,7 @@ class Runtime:
 
     def close(self) -> None:
         """Stop the health agent, say bye to the supervisor and stop the heartbeat thread (idempotent)."""
-        self.state = "done"
+        self.state = Phase.DONE
         health, self._health = self._health, None
         if health is not None:
             health.close()
@@ -288,7 +289,7 @@ class Runtime:
             if hb.is_alive():
                 self.log.warning("heartbeat thread did not stop within %s", CLOSE_TIMEOUT)
         elif self._client is not None:
-            self._send(Kind.BYE, self._beat_body(state="done"))
+            self._send(Kind.BYE, self._beat_body(state=Phase.DONE))
             self._client.close()
             self._client = None
 
@@ -359,7 +360,7 @@ class Runtime:
             self.log.warning("ignoring unexpected %r message while active", msg.kind)
 
     def _wait_for_promotion(self, timeout: datetime.timedelta | None) -> None:
-        self.state = "standby"
+        self.state = Phase.STANDBY
         self._send(
             Kind.STANDBY,
             {
@@ -394,7 +395,7 @@ class Runtime:
 
     def _exit_on_stop(self, msg: Message) -> None:
         self.log.info("stopped in standby: %s", msg.body)
-        self.state = "done"
+        self.state = Phase.DONE
         self.close()
         raise SystemExit(0)
 

@@ -20,6 +20,11 @@ conclusive it is (each fault says which, :class:`~torchpass_slurm.faults.Evidenc
   early, and at its end the verdict blames the steps silent for the whole
   window, else the step that exited; a failed collective with nobody to
   blame is returned as itself (the planner regroups the same ranks);
+- **no progress** (``supervisor/hang.py``): the job's highest step has not
+  moved for max(``hang_floor``, ``hang_factor`` x its median step time) while
+  every rank computes or synchronises a step; the ranks behind are blamed:
+  the silent ones (``heartbeat_lost``), else those still computing the step
+  their peers wait in (``rank_hung``, a rank that heartbeats but is stuck);
 - **timeout**: silence past ``heartbeat_timeout`` with nothing to confirm it
   (a frozen or hung process on a node that still answers), a step never up
   within ``startup_timeout``;
@@ -44,8 +49,9 @@ from torchpass_slurm.errors import SlurmError
 from torchpass_slurm.faults import Detector, Evidence, Fault, Resolution
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.slurm.models import Node
+from torchpass_slurm.supervisor import hang
 from torchpass_slurm.supervisor.probe import Probe
-from torchpass_slurm.supervisor.state import Clock, JobState
+from torchpass_slurm.supervisor.state import Clock, JobState, RunState
 from torchpass_slurm.supervisor.workers import WorkerState, WorkerStep
 
 __all__ = ["Detectors"]
@@ -100,6 +106,9 @@ class Detectors:
         self._settle: _Settle | None = None
         self._next_slurm_poll = 0.0
         self._next_silence_check = 0.0
+        #: the last pass at which the job was not steady (launching, recovering, settling):
+        #: progress is judged from then on, not across a recovery
+        self._unsteady_at = 0.0
 
     @property
     def settling(self) -> bool:
@@ -125,6 +134,8 @@ class Detectors:
     # -- one detection ----------------------------------------------------------
     def detect(self) -> list[Fault]:
         """The faults of one detection (at once when conclusive, else after settling), or []."""
+        if self.job.state != RunState.RUNNING or self.job.migration is not None or self._settle is not None:
+            self._unsteady_at = self.clock.monotonic()
         exited = self._step_exit()
         if exited is not None and self._exit_is_conclusive(exited.node):
             return self._judged([dataclasses.replace(exited, evidence=Evidence.CONCLUSIVE)])
@@ -144,8 +155,16 @@ class Detectors:
         if suspicion is not None:
             self._settle = _Settle(suspicion, self.clock.monotonic() + self.config.fault_settle)
             return []
+        if silence_due:
+            stalled = self._no_progress()
+            if stalled:
+                return stalled
         fault = (self._silence() if silence_due else None) or self._stalled_recovery() or self._watch_slurm()
         return [fault] if fault is not None else []
+
+    def _no_progress(self) -> list[Fault]:
+        """The ranks behind a job whose step has not moved for its hang threshold."""
+        return hang.judge(self.job, self.config, self.clock, steady_since=self._unsteady_at)
 
     def _stalled_recovery(self) -> Fault | None:
         """A live, planned or regroup recovery past ``recovery_timeout`` without its first step."""

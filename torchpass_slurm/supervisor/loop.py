@@ -265,7 +265,7 @@ class Supervisor:
                     ev.WORKER_UP, node=node, role=step.role, ranks=list(self.job.membership.ranks_of(node))
                 )
         elif message.kind == Kind.HEARTBEAT:
-            step.seen(message.sender, now, body.get("step"))
+            step.seen(message.sender, now, body.get("step"), body.get("state"))
         elif message.kind == Kind.BYE:
             step.said_bye.add(message.sender)  # it stops beating; its step's exit says the rest
         elif message.kind == Kind.REPORT:

@@ -2,7 +2,8 @@
 
 The supervisor needs it to announce a planned switch far enough ahead: the
 ranks switch epochs after an agreed step S, which every rank must hear of
-before it commits S. Heartbeats carry each rank's step; the highest one moves
+before it commits S. The hang detector needs it too: a job whose step has not
+moved for a few steps' time is stuck. Heartbeats carry each rank's step; the highest one moves
 as the training does. One step's time is the median of the recent intervals
 between two advances of that highest step, so that a pause (a recovery, a
 checkpoint) weighs as one sample, not as the average.
@@ -31,13 +32,18 @@ class Progress:
         """The highest step reported at ``now`` (seconds, any clock that only moves forward)."""
         if step is None:
             return
-        if self._last is None:
+        if self._last is None or step < self._last[1]:  # the first, or a resume from a checkpoint
             self._last = (now, step)
         elif step > self._last[1]:
             t0, s0 = self._last
             per_step = (now - t0) / (step - s0)
             self._intervals.extend([per_step] * min(step - s0, self._intervals.maxlen or 1))
             self._last = (now, step)
+
+    @property
+    def last_advance(self) -> float | None:
+        """When the highest step last moved (the clock of :meth:`observe`), or None."""
+        return self._last[0] if self._last is not None else None
 
     @property
     def step_seconds(self) -> float | None:

@@ -67,6 +67,9 @@ class WorkerStep:
     said_bye: set[str] = field(default_factory=set)
     #: its ranks run the elastic loop (they can rebuild their group in place)
     live: bool = False
+    #: control-plane sender -> the committed step and the phase (``torchpass_slurm.phase``)
+    #: of its last heartbeat
+    phases: dict[str, tuple[int | None, str]] = field(default_factory=dict)
     last_step: int | None = None
     exit_code: int | None = None
 
@@ -83,8 +86,10 @@ class WorkerStep:
             self.exit_code = self.process.poll()
         return self.exit_code
 
-    def seen(self, sender: str, now: float, step: int | None = None) -> None:
+    def seen(self, sender: str, now: float, step: int | None = None, phase: str | None = None) -> None:
         self.heartbeats[sender] = now
+        if phase is not None:
+            self.phases[sender] = (step, phase)
         if step is not None and (self.last_step is None or step > self.last_step):
             self.last_step = step
 

@@ -328,3 +328,40 @@ def test_an_error_raised_from_a_failed_collective_is_a_comm_error() -> None:
     assert not is_comm_error(_raised_from(RuntimeError("a bug"), ValueError("another bug")))
     # an error raised while handling a failed collective (not from it) is the handler's own
     assert not is_comm_error(_raised_while_handling(KeyError("model"), GLOO_RESET))
+
+
+
+class PhaseClient(FakeClient):
+    """Records the rank's phase when each report is sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rt: Runtime | None = None
+        self.phase_at: dict[str, str] = {}
+
+    def send(self, kind: str, body: dict[str, Any]) -> None:
+        super().send(kind, body)
+        if kind == "report" and self.rt is not None:
+            self.phase_at[body["event"]] = self.rt.state
+
+
+def test_the_heartbeat_phase_follows_the_loop(store: int) -> None:
+    """compute in the step, hook in on_commit, recovering from a failed collective until the new
+    epoch's first step, running after the loop: what the supervisor's hang detector reads."""
+    client = PhaseClient()
+    rt = client.rt = active(client)
+    trainer, _, _ = trainer_for(rt)
+    reconfigure(rt, store, 1)
+    seen: list[tuple[str, int]] = []
+    step_fails = fails_once(at=1)
+
+    def train_step(step: int, m: nn.Module) -> torch.Tensor:
+        seen.append((rt.state, step))
+        return step_fails(step, m)
+
+    trainer.fit(train_step, steps=2, on_commit=lambda step, _: seen.append((rt.state, step)))
+
+    assert seen == [("compute", 0), ("hook", 1), ("compute", 1), ("compute", 1), ("hook", 2)]
+    assert (client.phase_at["collective_failed"], client.phase_at["group_rebuilt"]) == (
+        "recovering", "recovering")
+    assert rt.state == "running"

@@ -303,7 +303,8 @@ class World:
     says hello when promoted; each of its tasks leaves when told to stop, and
     its step exits 0 once all have (a step that exits takes its tasks with it). A node in :attr:`silent`
     sends nothing any more; :attr:`hello_delay` holds back a node's first
-    message by that many seconds. :meth:`at` runs an action at an elapsed time.
+    message by that many seconds; :attr:`phase` sets the phase a node's heartbeats
+carry. :meth:`at` runs an action at an elapsed time.
     """
 
     def __init__(self, clock: VirtualClock, server: FakeServer, slurm: FakeSlurm, *,
@@ -314,6 +315,8 @@ class World:
         self.current: dict[str, SimStep] = {}
         self.silent: set[str] = set()
         self.hello_delay: dict[str, float] = {}
+        #: the phase (``torchpass_slurm.phase``) an active node's heartbeats carry; default "training"
+        self.phase: dict[str, str] = {}
         self._actions: list[tuple[float, Callable[[], None]]] = []
         self._by_peer: dict[bytes, SimStep] = {}
         self._incarnations: dict[str, int] = {}
@@ -388,7 +391,7 @@ class World:
         for sender, peer in sim.peers.items():
             if sender in sim.stopped:
                 continue
-            state = "training" if sim.role == "active" else "standby"
+            state = self.phase.get(sim.node, "training") if sim.role == "active" else "standby"
             self.server.inject(peer, sender, msg.HEARTBEAT,
                                {"rank": self.rank_of(sim, sender), "step": sim.step_at(now),
                                 "state": state})
