@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from torchpass_slurm.errors import CheckpointError
+from torchpass_slurm.rank.trusted_dir import check_trusted, check_trusted_tree, make_private
 
 __all__ = ["save", "load_latest", "latest_step", "TrainState", "RNGState", "step_dir"]
 
@@ -354,18 +355,25 @@ def _step_tensor(step: int) -> Any:
 
 
 def _prepare(directory: Path, tmp: Path) -> None:
+    """Create the folder private (no group/other write), or check that an existing one is."""
+    existed = directory.is_dir()
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        if not existed:
+            make_private(directory)
         if tmp.exists():
             logger.warning("removing %s, left by an interrupted save", tmp)
             shutil.rmtree(tmp)
     except OSError as exc:
         raise CheckpointError(f"cannot prepare the checkpoint folder {directory}: {exc}") from exc
+    if existed:  # fail at the first save, not at the restart that needs the checkpoint
+        check_trusted(directory)
 
 
 def _publish(directory: Path, tmp: Path, final: Path) -> None:
     """Rename the finished save into place and point ``latest`` at it, atomically."""
     try:
+        make_private(tmp)  # a umask of 002 would leave files that load_latest refuses
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -374,6 +382,7 @@ def _publish(directory: Path, tmp: Path, final: Path) -> None:
             f.write(final.name + "\n")
             f.flush()
             os.fsync(f.fileno())
+        make_private(pointer_tmp)
         os.replace(pointer_tmp, directory / LATEST)
     except OSError as exc:
         raise CheckpointError(
@@ -397,7 +406,9 @@ def load_latest(state: dict[str, Any], directory: str | os.PathLike[str]) -> int
     Returns None (and leaves ``state`` untouched) if ``directory`` holds no
     complete checkpoint. Under a process group, rank 0 chooses the step and
     every rank loads that one. Raises :class:`CheckpointError` if the
-    checkpoint exists but cannot be read into ``state``.
+    checkpoint exists but cannot be read into ``state``, or if the folder or
+    anything in the checkpoint is owned by another user or writable by group
+    or others (DCP unpickles the metadata: see :mod:`.trusted_dir`).
     """
     directory = Path(directory)
     found = latest_step(directory) if _dist_rank() == 0 else None
@@ -406,6 +417,7 @@ def load_latest(state: dict[str, Any], directory: str | os.PathLike[str]) -> int
         logger.info("no checkpoint in %s: starting from scratch", directory)
         return None
     path = step_dir(directory, step)
+    check_trusted_tree(directory, [path])  # every rank: each one unpickles the metadata
     _require_numpy_if_distributed()
     import torch.distributed.checkpoint as dcp
 
