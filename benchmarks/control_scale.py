@@ -57,6 +57,7 @@ import zmq
 from torchpass_slurm.control import messages
 from torchpass_slurm.control.client import configure_socket
 from torchpass_slurm.control.kinds import Kind
+from torchpass_slurm.control.security import derive_keys, make_curve_client
 from torchpass_slurm.control.server import ControlServer
 
 #: The heartbeat interval the ranks will get by default (4 Hz).
@@ -208,6 +209,7 @@ def sign(secret: bytes, sender: str, seq: int, ts: float, body: dict[str, Any]) 
     Byte-identical to ``encode`` (a unit test and every generator's first beat check it).
     """
     envelope = {"body": body, "kind": "heartbeat", "sender": sender, "seq": seq, "ts": ts}
+    envelope["to"] = messages.SUPERVISOR
     payload = json.dumps(
         envelope, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
     ).encode("ascii")
@@ -432,9 +434,11 @@ class Generator:
         self.ctx = zmq.Context()
         self.ctx.set(zmq.MAX_SOCKETS, len(self.mine) + 64)
         self.sockets = []
+        keys = derive_keys(secret)
         for _ in self.mine:
             sock = self.ctx.socket(zmq.DEALER)
             configure_socket(sock)
+            make_curve_client(sock, keys)
             sock.connect(endpoint)
             self.sockets.append(sock)
         self.seq = messages.SequenceCounter()

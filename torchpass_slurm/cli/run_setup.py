@@ -14,7 +14,7 @@ from typing import Any
 
 from torchpass_slurm import config as cfg
 from torchpass_slurm.control.secret import create_secret, load_secret
-from torchpass_slurm.control.server import ControlServer
+from torchpass_slurm.control.server import ControlServer, job_address
 from torchpass_slurm.errors import ConfigError
 from torchpass_slurm.events import EVENTS_FILE, EventLog
 from torchpass_slurm.slurm import select_backend
@@ -50,7 +50,8 @@ def build_supervisor(
     run_dir.mkdir(parents=True, exist_ok=True)
     secret_file = Path(os.environ.get(cfg.ENV_SECRET_FILE) or create_secret(run_dir))
     secret = load_secret(secret_file)
-    server = ControlServer(secret, bind_host="0.0.0.0", port=0, advertise_host=host)
+    # the job's own interface only; the ranks are given this address
+    server = ControlServer(secret, bind_host=job_address(host), port=0)
     env = {cfg.ENV_SECRET_FILE: str(secret_file), cfg.ENV_RUN_DIR: str(run_dir)}
     store = _host_store(host)
     if store is not None:

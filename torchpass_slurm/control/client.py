@@ -8,6 +8,12 @@ waits in slices of :data:`RECV_SLICE` and releases the lock between slices,
 so a heartbeat thread calling :meth:`ControlClient.send` waits at most one
 slice. The socket helpers at the bottom are shared with
 :mod:`torchpass_slurm.control.server`.
+
+The connection is CURVE-encrypted with the job's client key pair, derived
+from the secret (:mod:`~torchpass_slurm.control.security`); a client with
+another job's secret never completes the handshake, and its messages stay
+queued until :data:`HWM` makes :meth:`ControlClient.send` fail. Messages
+from the supervisor must be addressed to this client's ``sender`` name.
 """
 
 from __future__ import annotations
@@ -24,11 +30,19 @@ import zmq
 from torchpass_slurm.control.messages import (
     DEFAULT_MAX_SKEW_S,
     MAX_FRAME_BYTES,
+    SUPERVISOR,
     SUPERVISOR_KINDS,
     Message,
     Receiver,
     SequenceCounter,
     encode,
+)
+from torchpass_slurm.control.security import (
+    DEFAULT_LIMITS,
+    SocketLimits,
+    apply_limits,
+    derive_keys,
+    make_curve_client,
 )
 from torchpass_slurm.errors import ControlPlaneError
 
@@ -58,17 +72,23 @@ class ControlClient:
         *,
         max_skew_s: float = DEFAULT_MAX_SKEW_S,
         clock: Callable[[], float] = time.time,
+        limits: SocketLimits = DEFAULT_LIMITS,
     ) -> None:
+        if sender == SUPERVISOR:
+            raise ControlPlaneError(f"a worker may not call itself {SUPERVISOR!r}")
         self.endpoint = endpoint
         self.sender = sender
         self._secret = secret
         self._clock = clock
         self._seq = SequenceCounter()
-        self._receiver = Receiver(secret, SUPERVISOR_KINDS, max_skew_s=max_skew_s, clock=clock)
+        self._receiver = Receiver(
+            secret, SUPERVISOR_KINDS, recipient=sender, max_skew_s=max_skew_s, clock=clock
+        )
         self._lock = threading.Lock()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        configure_socket(self._sock)
+        configure_socket(self._sock, limits)
+        make_curve_client(self._sock, derive_keys(secret))
         try:
             self._sock.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -143,14 +163,16 @@ class ControlClient:
         self.close()
 
 
-def configure_socket(sock: zmq.Socket) -> None:
-    """Options every control-plane socket gets: no linger, bounded queues and frames."""
+def configure_socket(sock: zmq.Socket, limits: SocketLimits = DEFAULT_LIMITS) -> None:
+    """Options every control-plane socket gets: no linger, bounded queues and frames,
+    a handshake timeout and ZMTP heartbeats (:class:`~torchpass_slurm.control.security.SocketLimits`)."""
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
     # A peer that sends a larger frame is disconnected by ZeroMQ before the
     # frame is buffered: an unauthenticated peer cannot make us allocate much.
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
+    apply_limits(sock, limits)
 
 
 def timeout_ms(timeout: timedelta) -> int:

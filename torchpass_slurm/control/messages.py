@@ -1,9 +1,10 @@
 """Control-plane messages: kinds, bodies, and their authenticated wire form.
 
-A message travels as three ZeroMQ frames::
+A message travels as three ZeroMQ frames (inside a CURVE-encrypted connection,
+:mod:`~torchpass_slurm.control.security`)::
 
-    frame 0  b"tp1"                       protocol version
-    frame 1  canonical JSON of {body, kind, sender, seq, ts}
+    frame 0  b"tp3"                       protocol version
+    frame 1  canonical JSON of {body, kind, sender, seq, to, ts}
     frame 2  HMAC-SHA256(secret, DOMAIN + frame 0 + b"\\0" + frame 1)   (32 raw bytes)
 
 "Canonical" means ``json.dumps(..., sort_keys=True, separators=(",", ":"),
@@ -20,8 +21,10 @@ what                                   raised                      why
 wrong frame count / version / sizes    ControlPlaneError           malformed
 MAC does not verify                    AuthenticationError         forged or wrong secret
 not JSON / wrong field types           ControlPlaneError           malformed (but authentic)
+nested too deep, NaN, huge integer     ControlPlaneError           malformed (but authentic)
 unknown kind, kind not allowed here    ControlPlaneError           version skew / misuse
 body misses a field / wrong type       ControlPlaneError           version skew / bug
+addressed to another process (``to``)  AuthenticationError         replayed to another recipient
 timestamp outside the skew window      AuthenticationError         stale: possible replay
 seq not above the sender's last one    AuthenticationError         replay
 =====================================  ==========================  ==========================
@@ -43,7 +46,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
+from torchpass_slurm.control import jsonsafe
 from torchpass_slurm.control.kinds import Kind, ReportKind
+from torchpass_slurm.control.refusals import RefusalLog, cause_of
 from torchpass_slurm.errors import AuthenticationError, ControlPlaneError
 
 logger = logging.getLogger(__name__)
@@ -66,6 +71,7 @@ __all__ = [
     "BODY_SCHEMAS",
     "PROTOCOL_VERSION",
     "MAX_FRAME_BYTES",
+    "SUPERVISOR",
     "DEFAULT_MAX_SKEW_S",
     "MAC_BYTES",
     "Message",
@@ -89,16 +95,18 @@ SUPERVISOR_KINDS: frozenset[str] = frozenset({PROMOTE, STOP, RECONFIGURE, ACK})
 ALL_KINDS: frozenset[str] = WORKER_KINDS | SUPERVISOR_KINDS
 
 # --- limits -------------------------------------------------------------------
-PROTOCOL_VERSION = b"tp2"  # tp2: report and reconfigure
+PROTOCOL_VERSION = b"tp3"  # tp2: report and reconfigure; tp3: the envelope names its recipient
 #: Largest payload frame accepted (bytes). Control messages are small; a state
 #: transfer never goes over the control plane.
 MAX_FRAME_BYTES = 64 * 1024
-#: Largest ``sender`` name accepted (characters).
+#: Largest ``sender`` (and ``to``) name accepted (characters).
 MAX_SENDER_CHARS = 256
+#: The name the supervisor signs with, and the recipient of every worker's message.
+SUPERVISOR = "supervisor"
 #: Deepest nesting of lists and objects accepted in a payload (the envelope is depth 1).
 MAX_NESTING = 16
 #: Largest magnitude of an integer accepted in a payload: a signed 64-bit one.
-MAX_INT = 2**63 - 1
+MAX_INT = jsonsafe.MAX_INT
 #: Default allowed difference between a message's timestamp and the receiver's
 #: clock (seconds). Cluster clocks are NTP-synchronised to well under a second;
 #: the window only has to cover skew plus queueing delay.
@@ -142,7 +150,9 @@ class Message:
     ``sender`` names the process (e.g. ``"node7/3"`` for local rank 3 on node7,
     or ``"supervisor"``); ``seq`` grows strictly per sender; ``ts`` is the
     sender's wall clock (unix seconds); ``body`` is a JSON object whose
-    required fields are given by :data:`BODY_SCHEMAS`.
+    required fields are given by :data:`BODY_SCHEMAS`; ``to`` names the
+    recipient (the supervisor, or the worker's ``sender`` name), so bytes
+    captured on their way to one worker are refused by every other.
     """
 
     kind: str
@@ -150,6 +160,7 @@ class Message:
     seq: int
     ts: float
     body: Mapping[str, Any] = field(default_factory=dict)
+    to: str = SUPERVISOR
 
 
 class ReplayGuard:
@@ -211,9 +222,10 @@ def encode(msg: Message, secret: bytes) -> list[bytes]:
     body not JSON-serialisable, missing body fields, too large).
     """
     _check_secret(secret)
-    _check_header(msg.kind, msg.sender, msg.seq, msg.ts)
+    _check_header(msg.kind, msg.sender, msg.seq, msg.ts, msg.to)
     _check_body(msg.kind, msg.body)
-    obj = {"body": msg.body, "kind": msg.kind, "sender": msg.sender, "seq": msg.seq, "ts": msg.ts}
+    obj = {"body": msg.body, "kind": msg.kind, "sender": msg.sender, "seq": msg.seq, "to": msg.to}
+    obj["ts"] = msg.ts
     try:
         payload = json.dumps(
             obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
@@ -238,13 +250,15 @@ def decode(
     guard: ReplayGuard | None = None,
     now: float | None = None,
     max_skew_s: float = DEFAULT_MAX_SKEW_S,
+    recipient: str | None = None,
 ) -> Message:
     """Verify and parse the frames of one message.
 
     ``allowed`` restricts the kinds this receiver accepts (the supervisor
-    passes :data:`WORKER_KINDS`). ``guard``, when given, rejects replays and
-    records the message as seen; it is updated only for a message that passed
-    every other check. ``now`` defaults to :func:`time.time`.
+    passes :data:`WORKER_KINDS`). ``recipient``, when given, is the name the
+    message must be addressed to (``to``). ``guard``, when given, rejects
+    replays and records the message as seen; it is updated only for a message
+    that passed every other check. ``now`` defaults to :func:`time.time`.
     """
     _check_secret(secret)
     payload = _check_frames(frames)
@@ -260,6 +274,11 @@ def decode(
             f"expected one of {', '.join(sorted(allowed))}"
         )
     _check_body(msg.kind, msg.body)
+    if recipient is not None and msg.to != recipient:
+        raise AuthenticationError(
+            f"{msg.kind!r} message from {msg.sender!r} is addressed to {msg.to!r}, not to "
+            f"{recipient!r} (replayed to another process, or misrouted)"
+        )
     _check_fresh(msg, time.time() if now is None else now, max_skew_s)
     if guard is not None:
         guard.check_and_record(msg.sender, msg.seq)
@@ -271,29 +290,34 @@ class Receiver:
 
     Holds the receiver's :class:`ReplayGuard`. :meth:`accept` never raises for
     a bad message: it returns None, adds one to :attr:`rejected` and logs at
-    WARNING (the first :attr:`LOG_FIRST` rejections, then every
-    :attr:`LOG_EVERY`-th, so a flood cannot fill the log).
+    WARNING, rate-limited per cause (:class:`~torchpass_slurm.control.refusals.RefusalLog`),
+    so that a flood of one kind of junk neither fills the log nor hides a
+    later problem of another kind.
     """
-
-    LOG_FIRST = 20
-    LOG_EVERY = 1000
 
     def __init__(
         self,
         secret: bytes,
         allowed: Collection[str],
         *,
+        recipient: str | None = None,
         max_skew_s: float = DEFAULT_MAX_SKEW_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         _check_secret(secret)
-        #: Messages dropped because they failed a check.
-        self.rejected = 0
         self.guard = ReplayGuard()
+        #: what was dropped, by cause
+        self.refusals = RefusalLog(logger, "dropped control message")
         self._secret = secret
         self._allowed = frozenset(allowed)
+        self._recipient = recipient
         self._max_skew_s = max_skew_s
         self._clock = clock
+
+    @property
+    def rejected(self) -> int:
+        """Messages dropped because they failed a check."""
+        return self.refusals.total
 
     def accept(self, frames: Sequence[bytes], origin: str) -> Message | None:
         """The authentic message in ``frames``, or None (``origin`` names the peer in logs)."""
@@ -305,11 +329,10 @@ class Receiver:
                 guard=self.guard,
                 now=self._clock(),
                 max_skew_s=self._max_skew_s,
+                recipient=self._recipient,
             )
         except ControlPlaneError as exc:
-            self.rejected += 1
-            if self.rejected <= self.LOG_FIRST or self.rejected % self.LOG_EVERY == 0:
-                logger.warning("dropped control message #%d from %s: %s", self.rejected, origin, exc.message)
+            self.refusals.refuse(cause_of(exc.message), origin, exc.message)
             return None
 
 
@@ -347,72 +370,47 @@ def _check_frames(frames: Sequence[bytes]) -> bytes:
     return payload
 
 
+_ENVELOPE = frozenset({"body", "kind", "sender", "seq", "to", "ts"})
+
+
 def _parse_payload(payload: bytes) -> Message:
+    """The envelope, parsed by :func:`~torchpass_slurm.control.jsonsafe.loads`: nesting,
+    integers and NaN/Infinity are refused before ``json`` can recurse, overflow or let them in."""
     try:
-        obj = json.loads(
-            payload.decode("ascii"),
-            parse_int=_bounded_int,
-        )
-    except (UnicodeDecodeError, ValueError) as exc:
+        obj = jsonsafe.loads(payload.decode("ascii"), max_depth=MAX_NESTING)
+    except UnicodeDecodeError as exc:
         raise ControlPlaneError(f"control message payload is not JSON: {exc}") from None
-    except RecursionError:
-        raise ControlPlaneError(
-            f"control message payload is nested deeper than {MAX_NESTING} levels"
-        ) from None
-    if not isinstance(obj, dict) or set(obj) != {"body", "kind", "sender", "seq", "ts"}:
+    except jsonsafe.JSONRefused as exc:
+        raise ControlPlaneError(f"control message payload {exc}") from None
+    if not isinstance(obj, dict) or set(obj) != _ENVELOPE:
         seen = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
         raise ControlPlaneError(
-            f"control message payload has fields {seen}; expected body, kind, sender, seq, ts"
+            f"control message payload has fields {seen}; expected {', '.join(sorted(_ENVELOPE))}"
         )
-    _check_header(obj["kind"], obj["sender"], obj["seq"], obj["ts"])
+    _check_header(obj["kind"], obj["sender"], obj["seq"], obj["ts"], obj["to"])
     if not isinstance(obj["body"], dict):
         raise ControlPlaneError(
             f"control message body is a {type(obj['body']).__name__}; expected a JSON object"
         )
-    _check_values(obj["body"])
-    return Message(obj["kind"], obj["sender"], obj["seq"], float(obj["ts"]), obj["body"])
+    return Message(obj["kind"], obj["sender"], obj["seq"], float(obj["ts"]), obj["body"], obj["to"])
 
 
-def _bounded_int(text: str) -> int:
-    value = int(text)
-    if abs(value) > MAX_INT:
-        raise ValueError(f"an integer of {len(text)} digits is out of the signed 64-bit range")
-    return value
-
-
-def _check_values(body: dict[str, Any]) -> None:
-    """Lists and objects at most MAX_NESTING deep, every number finite (walked without recursion).
-
-    The envelope is level 1, so the body is level 2. NaN and Infinity parse
-    (``json`` reads them) but are refused here, as the sender's canonical JSON
-    never writes them.
-    """
-    pending: list[tuple[object, int]] = [(body, 2)]
-    while pending:
-        value, depth = pending.pop()
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ControlPlaneError(f"control message body holds {value!r}; numbers must be finite")
-        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
-        if children is None:
-            continue
-        if depth > MAX_NESTING:
-            raise ControlPlaneError(f"control message payload is nested deeper than {MAX_NESTING} levels")
-        pending.extend((child, depth + 1) for child in children)
-
-
-def _check_header(kind: object, sender: object, seq: object, ts: object) -> None:
+def _check_header(kind: object, sender: object, seq: object, ts: object, to: object) -> None:
     if not isinstance(kind, str) or kind not in ALL_KINDS:
         raise ControlPlaneError(
             f"unknown control message kind {kind!r}; expected one of {', '.join(sorted(ALL_KINDS))}"
         )
-    if not isinstance(sender, str) or not 0 < len(sender) <= MAX_SENDER_CHARS:
-        raise ControlPlaneError(
-            f"control message sender must be a non-empty string of at most {MAX_SENDER_CHARS} "
-            f"characters; got {type(sender).__name__}"
-        )
-    if not _is_int(seq) or seq < 0:
+    for name, value in (("sender", sender), ("to", to)):
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_SENDER_CHARS:
+            raise ControlPlaneError(
+                f"control message {name} must be a non-empty string of at most {MAX_SENDER_CHARS} "
+                f"characters; got {type(value).__name__}"
+            )
+    if not _is_int(seq) or not 0 <= seq <= MAX_INT:
         raise ControlPlaneError(f"control message seq must be a non-negative integer; got {seq!r}")
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+        raise ControlPlaneError(f"control message ts must be a finite number; got {ts!r}")
+    if isinstance(ts, int) and abs(ts) > MAX_INT:
         raise ControlPlaneError(f"control message ts must be a finite number; got {ts!r}")
 
 

@@ -22,6 +22,7 @@ from torchpass_slurm import events as ev
 from torchpass_slurm.control import messages as m
 from torchpass_slurm.control.bodies import Report
 from torchpass_slurm.control.client import ControlClient
+from torchpass_slurm.control.security import derive_keys, make_curve_client
 from torchpass_slurm.control.server import ControlServer
 from torchpass_slurm.errors import ControlPlaneError
 
@@ -33,12 +34,13 @@ BEAT = {"rank": 0, "step": 1, "state": "training"}
 
 def frames(payload: bytes) -> list[bytes]:
     """A message signed as the protocol says: HMAC-SHA256(secret, DOMAIN + version + NUL + payload)."""
-    mac = hmac.new(SECRET, b"torchpass-slurm control plane\0" + b"tp2\0" + payload, hashlib.sha256)
-    return [b"tp2", payload, mac.digest()]
+    mac = hmac.new(SECRET, b"torchpass-slurm control plane\0" + b"tp3\0" + payload, hashlib.sha256)
+    return [b"tp3", payload, mac.digest()]
 
 
 def envelope(body: str = "{}", *, kind: str = "heartbeat", ts: str = str(NOW), seq: str = "1") -> bytes:
-    return (f'{{"body":{body},"kind":"{kind}","sender":"n1/0","seq":{seq},"ts":{ts}}}').encode()
+    head = f'"kind":"{kind}","sender":"n1/0","seq":{seq},"to":"supervisor"'
+    return f'{{"body":{body},{head},"ts":{ts}}}'.encode()
 
 
 def nested(depth: int) -> str:
@@ -116,6 +118,7 @@ def raw(server: ControlServer) -> Iterator[Callable[[list[bytes]], None]]:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    make_curve_client(sock, derive_keys(SECRET))  # a holder of the secret: it gets through CURVE
     sock.connect(server.endpoint)
     yield sock.send_multipart
     sock.close()

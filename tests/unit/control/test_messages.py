@@ -114,10 +114,10 @@ def test_encode_refuses_unknown_kind_and_bad_bodies() -> None:
 @pytest.mark.parametrize(
     "frames, match",
     [
-        ([b"tp2", b"{}"], "2 frame"),
+        ([b"tp3", b"{}"], "2 frame"),
         ([b"tp9", b"{}", b"\0" * 32], "protocol version"),
-        ([b"tp2", b"{}", b"\0" * 31], "MAC is 31 bytes"),
-        ([b"tp2", b"x" * (m.MAX_FRAME_BYTES + 1), b"\0" * 32], "limit"),
+        ([b"tp3", b"{}", b"\0" * 31], "MAC is 31 bytes"),
+        ([b"tp3", b"x" * (m.MAX_FRAME_BYTES + 1), b"\0" * 32], "limit"),
     ],
 )
 def test_malformed_frames(frames: list[bytes], match: str) -> None:
@@ -127,7 +127,8 @@ def test_malformed_frames(frames: list[bytes], match: str) -> None:
 
 
 def _payload(**override: object) -> bytes:
-    obj = {"body": HELLO_BODY, "kind": "hello", "sender": "n1/0", "seq": 1, "ts": NOW, **override}
+    obj = {"body": HELLO_BODY, "kind": "hello", "sender": "n1/0", "seq": 1, "to": "supervisor", "ts": NOW,
+           **override}
     return json.dumps(obj).encode()
 
 
@@ -144,7 +145,7 @@ def _payload(**override: object) -> bytes:
         (_payload(seq=True), "seq"),
         (_payload(seq=-1), "seq"),
         (_payload(ts="now"), "ts"),
-        (b'{"body":{},"kind":"hello","sender":"a","seq":1,"ts":NaN}', "ts"),
+        (b'{"body":{},"kind":"hello","sender":"a","seq":1,"to":"supervisor","ts":NaN}', "ts"),
         (_payload(body=[1]), "body is a list"),
         (_payload(body={**HELLO_BODY, "pid": "42"}), "'pid' is str; expected int"),
         (_payload(body={**HELLO_BODY, "rank": False}), "'rank' is bool"),

@@ -13,6 +13,7 @@ import zmq
 
 from torchpass_slurm.control import messages as m
 from torchpass_slurm.control.client import ControlClient
+from torchpass_slurm.control.security import derive_keys, make_curve_client
 from torchpass_slurm.control.server import SUPERVISOR_SENDER, ControlServer
 from torchpass_slurm.errors import ControlPlaneError
 
@@ -41,6 +42,7 @@ def raw(server: ControlServer) -> Iterator[zmq.Socket]:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    make_curve_client(sock, derive_keys(SECRET))  # a holder of the secret: it gets through CURVE
     sock.connect(server.endpoint)
     yield sock
     sock.close()
