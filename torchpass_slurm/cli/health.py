@@ -29,11 +29,19 @@ SOURCE_CHOICES = ("auto", "nvml", "amdsmi", "simulated")
 _STYLE = {"OK": "green", "WARNING": "yellow", "CRITICAL": "bold red", "UNKNOWN": "magenta"}
 
 
-def slurm_backend() -> SlurmBackend:
-    """The Slurm layer (a seam for tests)."""
+def slurm_backend(timeout: float | None = None) -> SlurmBackend:
+    """The Slurm layer (a seam for tests).
+
+    With ``timeout`` (the hooks: ``slurm_timeout_s``) the command-line backend whose every
+    command is killed after that many seconds; pyslurm's calls could not be bounded.
+    """
     from torchpass_slurm.slurm import select_backend
 
-    return select_backend()
+    if timeout is None:
+        return select_backend()
+    from torchpass_slurm.slurm.runner import SubprocessRunner
+
+    return select_backend(SubprocessRunner(timeout=timeout), choice="cli")
 
 
 def clock() -> float:
@@ -163,7 +171,7 @@ def _hook(
 def _prolog_decision(config: HealthConfig, report: HealthReport) -> tuple[int, str | None]:
     from torchpass_slurm.health.admin import prolog
 
-    outcome = prolog(report, config, slurm_backend)
+    outcome = prolog(report, config, lambda: slurm_backend(config.slurm_timeout_s))
     return outcome.exit_code, outcome.message
 
 
@@ -188,7 +196,7 @@ def epilog_command(config_path: str | None, source: str | None, node: str | None
 def _node_check_decision(config: HealthConfig, report: HealthReport) -> tuple[int, str | None]:
     from torchpass_slurm.health.admin import node_check
 
-    outcome = node_check(report, config, slurm_backend, now=clock())
+    outcome = node_check(report, config, lambda: slurm_backend(config.slurm_timeout_s), now=clock())
     return outcome.exit_code, outcome.message
 
 

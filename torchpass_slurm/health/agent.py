@@ -125,7 +125,8 @@ class HealthAgent(threading.Thread):
             source = SimulatedSource(simulate.replace(NODE_PLACEHOLDER, self.node))
         else:
             source = select_source(config)
-        return run_health(config, source, node=self.node)
+        # Threads, not a forked child: this runs inside the training process.
+        return run_health(config, source, node=self.node, isolate=False)
 
     def judge(self, report: HealthReport) -> None:
         from torchpass_slurm.health.checks import Status

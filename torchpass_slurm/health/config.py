@@ -51,8 +51,11 @@ class HealthConfig:
     source: str = "auto"
     simulate_file: str = ""
     state_file: str = "/var/lib/torchpass/health-state.json"
-    #: Global bound on one run (gathering included), seconds.
-    timeout_s: float = 10.0
+    #: Bound on gathering the facts (device and host, in parallel, each in a child process
+    #: killed at the bound), seconds. With slurm_timeout_s it keeps a hook under 10 s.
+    timeout_s: float = 5.0
+    #: Bound on each Slurm command a hook runs (at most two: node-check's look and drain).
+    slurm_timeout_s: float = 1.5
     # --- GPUs -------------------------------------------------------------------
     #: GPUs this node must have; 0 = do not check the count.
     expected_gpus: int = 0
@@ -118,8 +121,9 @@ class HealthConfig:
                     f"health setting {f.name} = {value!r} is negative",
                     hint="thresholds are zero or more (0 turns some checks off)",
                 )
-        if self.timeout_s <= 0:
-            raise ConfigError(f"health setting timeout_s = {self.timeout_s!r} must be above 0")
+        for name in ("timeout_s", "slurm_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"health setting {name} = {getattr(self, name)!r} must be above 0")
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as plain JSON-able values (tuples become lists)."""

@@ -13,7 +13,8 @@ check says so and passes). A field whose query FAILED is named in
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 __all__ = [
     "DiskFacts",
@@ -23,6 +24,10 @@ __all__ = [
     "HostFacts",
     "NvlinkCounter",
     "THROTTLE_REASONS",
+    "gpus_from_json",
+    "gpus_to_json",
+    "host_from_json",
+    "host_to_json",
 ]
 
 #: Throttle (clock event) reasons by NVML bit, with the names the config uses.
@@ -133,3 +138,38 @@ class Facts:
     gpu_error: str | None = None
     host: HostFacts | None = None
     previous_ecc: Mapping[str, EccSample] = field(default_factory=dict)
+
+
+# --- as JSON, for the child process that gathers them (health/child.py) -----------------------
+
+
+def gpus_to_json(gpus: tuple[GpuFacts, ...]) -> list[dict[str, object]]:
+    """Plain JSON values of ``gpus`` (tuples become lists)."""
+    return [asdict(g) for g in gpus]
+
+
+def gpus_from_json(data: list[dict[str, Any]]) -> tuple[GpuFacts, ...]:
+    """The inverse of :func:`gpus_to_json`."""
+    out = []
+    for raw in data:
+        values = dict(raw)
+        for name in ("xid_errors", "throttle_reasons"):
+            if values.get(name) is not None:
+                values[name] = tuple(values[name])
+        if values.get("nvlink_errors") is not None:
+            values["nvlink_errors"] = tuple(NvlinkCounter(**c) for c in values["nvlink_errors"])
+        values["errors"] = tuple((k, v) for k, v in values.get("errors", ()))
+        out.append(GpuFacts(**values))
+    return tuple(out)
+
+
+def host_to_json(host: HostFacts) -> dict[str, object]:
+    """Plain JSON values of ``host``."""
+    return asdict(host)
+
+
+def host_from_json(data: dict[str, Any]) -> HostFacts:
+    """The inverse of :func:`host_to_json`."""
+    values = dict(data)
+    values["disks"] = tuple(DiskFacts(**d) for d in values.get("disks", ()))
+    return HostFacts(**values)

@@ -2,17 +2,20 @@
 
 ::
 
-    config ──► select_source ──► gather_facts (device and host in two threads,
-                                  both bounded by config.timeout_s)
+    config ──► select_source ──► gather_facts (device and host in two forked children,
+                                  both killed at config.timeout_s)
                                       │ Facts (frozen)
                                       ▼
                                  run_checks ──► HealthReport (worst status = exit code)
                                       │
                                       └─► state file (next ECC samples)
 
-A device library that hangs (an NVML call stuck in the driver) leaves its thread
-behind (daemon: it does not keep the process alive) and turns every GPU check
-UNKNOWN when the time is up.
+A device library that hangs (an NVML call stuck in the driver), stalls holding
+the GIL, exits or crashes is killed with its child (:mod:`.child`) and turns
+every GPU check UNKNOWN when the time is up: the run ends by its deadline
+whatever the library does. ``isolate=False`` gathers in two daemon threads
+instead (the in-job agent: a training process is not forked); a thread that
+hangs is left behind, and one that holds the GIL can hold the run past it.
 """
 
 from __future__ import annotations
@@ -27,8 +30,18 @@ from typing import Any, Generic, TypeVar, cast
 
 from torchpass_slurm.errors import SourceError
 from torchpass_slurm.health.checks import CheckResult, Status, run_checks, worst
+from torchpass_slurm.health.child import Child, ChildFailed
 from torchpass_slurm.health.config import HealthConfig
-from torchpass_slurm.health.facts import DiskFacts, Facts, GpuFacts, HostFacts
+from torchpass_slurm.health.facts import (
+    DiskFacts,
+    Facts,
+    GpuFacts,
+    HostFacts,
+    gpus_from_json,
+    gpus_to_json,
+    host_from_json,
+    host_to_json,
+)
 from torchpass_slurm.health.host import gather_host
 from torchpass_slurm.health.sources import DeviceSource
 from torchpass_slurm.health.state import next_samples, read_samples, write_samples
@@ -105,7 +118,10 @@ def local_node_name() -> str:
 
 
 def _device_facts(
-    task: _Bounded[tuple[GpuFacts, ...]], deadline: float, timeout: float, clock: Callable[[], float]
+    task: _Bounded[tuple[GpuFacts, ...]] | Child[tuple[GpuFacts, ...]],
+    deadline: float,
+    timeout: float,
+    clock: Callable[[], float],
 ) -> tuple[tuple[GpuFacts, ...] | None, str | None]:
     try:
         return task.result(deadline, clock), None
@@ -113,6 +129,8 @@ def _device_facts(
         return None, f"the device source did not answer within {timeout:g} s (timeout_s)"
     except SourceError as err:
         return None, err.message
+    except ChildFailed as err:  # what it raised in the child ("SystemExit: 2"), or how it died
+        return None, f"the device source failed: {err}"
     # Deliberately broad: a source bug or a library error the source did not expect
     # means the check broke, not the node (UNKNOWN, never a crash of the hook). A
     # library that calls sys.exit() in the device thread arrives here as SystemExit.
@@ -122,7 +140,7 @@ def _device_facts(
 
 
 def _host_facts(
-    task: _Bounded[HostFacts],
+    task: _Bounded[HostFacts] | Child[HostFacts],
     deadline: float,
     timeout: float,
     paths: Sequence[str],
@@ -132,6 +150,8 @@ def _host_facts(
         return task.result(deadline, clock)
     except TimeoutError:
         why = f"did not finish within {timeout:g} s (timeout_s; a hung file system?)"
+    except ChildFailed as err:
+        why = f"failed: {err}"
     except Exception as err:  # deliberately broad: gather_host turns OSError into facts, so this is a bug
         why = f"failed: {type(err).__name__}: {err}"
     return HostFacts(error=f"gathering host facts {why}", disks=tuple(DiskFacts(p, error=why) for p in paths))
@@ -145,11 +165,19 @@ def gather_facts(
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
     host: Callable[[], HostFacts] | None = None,
+    isolate: bool = True,
 ) -> Facts:
-    """Every fact of this run, at most ``config.timeout_s`` after the call."""
+    """Every fact of this run, at most ``config.timeout_s`` after the call (see the module doc)."""
     deadline = clock() + config.timeout_s
-    device_task = _Bounded(source.gpus, "health-device")
-    host_task = _Bounded(host or (lambda: gather_host(config.disk_paths)), "health-host")
+    host_fn = host or (lambda: gather_host(config.disk_paths))
+    device_task: _Bounded[tuple[GpuFacts, ...]] | Child[tuple[GpuFacts, ...]]
+    host_task: _Bounded[HostFacts] | Child[HostFacts]
+    if isolate:
+        device_task = Child(source.gpus, gpus_to_json, gpus_from_json, "the device source")
+        host_task = Child(host_fn, host_to_json, host_from_json, "the host facts")
+    else:
+        device_task = _Bounded(source.gpus, "health-device")
+        host_task = _Bounded(host_fn, "health-host")
     gpus, gpu_error = _device_facts(device_task, deadline, config.timeout_s, clock)
     return Facts(
         time=wall_clock(),
@@ -170,11 +198,18 @@ def run_health(
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
     host: Callable[[], HostFacts] | None = None,
+    isolate: bool = True,
 ) -> HealthReport:
     """Gather, judge, store the next ECC samples; never raises for a device or host failure."""
     started = clock()
     facts = gather_facts(
-        config, source, node=node or local_node_name(), clock=clock, wall_clock=wall_clock, host=host
+        config,
+        source,
+        node=node or local_node_name(),
+        clock=clock,
+        wall_clock=wall_clock,
+        host=host,
+        isolate=isolate,
     )
     results = tuple(run_checks(facts, config))
     if facts.gpus is not None and config.state_file:

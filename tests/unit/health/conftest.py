@@ -160,6 +160,6 @@ class FakeSlurm:
 def slurm(monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
     """The fake Slurm the health CLI talks to; node n1 is idle."""
     fake = FakeSlurm([Node("n1", "IDLE")])
-    monkeypatch.setattr(health_cli, "slurm_backend", lambda: fake)
+    monkeypatch.setattr(health_cli, "slurm_backend", lambda timeout=None: fake)
     monkeypatch.setattr(health_cli, "clock", lambda: NOW)
     return fake

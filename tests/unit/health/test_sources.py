@@ -212,3 +212,16 @@ def test_amdsmi_source() -> None:
     assert (gpu.ecc_corrected, gpu.ecc_uncorrected, gpu.retired_pages, gpu.retired_pages_pending) == (3, 1, 1, True)
     assert (gpu.pcie_gen, gpu.pcie_gen_max, gpu.pcie_width, gpu.pcie_width_max) == (4, 5, 8, 16)
     assert gpu.errors == (("nvlink_errors", "RuntimeError: xgmi query failed"),)
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    ({"hang_s": "30"}, "hang_s is '30'; expected a number of seconds"),
+    ({"hang_s": True}, "hang_s is True; expected a number of seconds"),
+    ({"broken": True}, r"broken is True; expected a string \(the error the library reports\)"),
+    ({"gpus": {"index": 0}}, "gpus is {'index': 0}; expected a list of GPU objects"),
+    ({"gpu": []}, r"unknown key\(s\) gpu"),
+])
+def test_simulated_source_type_checks_its_top_level_keys(sim: Sim, doc: dict[str, Any], message: str) -> None:
+    sim.write(doc)
+    with pytest.raises(SourceError, match=message):
+        SimulatedSource(sim.devices).gpus()

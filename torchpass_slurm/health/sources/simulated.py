@@ -36,6 +36,12 @@ logger = logging.getLogger(__name__)
 __all__ = ["SimulatedSource"]
 
 _FIELDS = {f.name for f in fields(GpuFacts)}
+#: The file's top-level keys: the JSON type each must have, and how to say it.
+_TOP: dict[str, tuple[tuple[type, ...], str]] = {
+    "gpus": ((list,), "a list of GPU objects"),
+    "broken": ((str,), "a string (the error the library reports)"),
+    "hang_s": ((int, float), "a number of seconds"),
+}
 _TUPLES = ("xid_errors", "throttle_reasons")
 #: The JSON type each scalar field must have ("lost": "no" is a mistake, not a lost GPU).
 _SCALARS: dict[str, tuple[type, ...]] = {
@@ -75,12 +81,25 @@ class SimulatedSource:
             raise SourceError(f"cannot read the simulated devices file {self.path}: {err}") from None
         if not isinstance(data, dict):
             raise SourceError(f"{self.path}: expected an object with a 'gpus' list")
+        self._check_top(data)
         if data.get("hang_s"):
             logger.debug("simulated source: hanging %s s", data["hang_s"])
             time.sleep(float(data["hang_s"]))
         if data.get("broken"):
             raise SourceError(f"the simulated library is broken: {data['broken']}")
         return tuple(self._gpu(i, raw) for i, raw in enumerate(data.get("gpus", [])))
+
+    def _check_top(self, data: dict[str, Any]) -> None:
+        unknown = sorted(set(data) - set(_TOP))
+        if unknown:
+            raise SourceError(
+                f"{self.path}: unknown key(s) {', '.join(unknown)}",
+                hint=f"valid keys: {', '.join(sorted(_TOP))}",
+            )
+        for name, (types, wanted) in _TOP.items():
+            value = data.get(name)
+            if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+                raise SourceError(f"{self.path}: {name} is {value!r}; expected {wanted}")
 
     def _gpu(self, position: int, raw: Any) -> GpuFacts:
         if not isinstance(raw, dict):
