@@ -233,7 +233,7 @@ class ElasticTrainer:
         while self.step < steps and not self.released:
             leave_if_fenced(self.rt, self.step)
             self.optimizer.zero_grad(set_to_none=True)
-            self.rt.state = Phase.COMPUTE  # SYNC once the model's forward returned (_wrap)
+            self.rt.state = Phase.COMPUTE  # SYNC once the DDP model's forward is called (_wrap)
             try:
                 loss = train_step(self.step, self.ddp_model)
             except Exception as exc:  # judged at the step boundary: a failed collective, or a bug
@@ -381,11 +381,12 @@ class ElasticTrainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.ddp_model = DDP(self.model, **self.ddp_kwargs)
-            self.ddp_model.register_forward_hook(self._forward_done)
+            self.ddp_model.register_forward_pre_hook(self._forward_called)
         else:
             self.ddp_model = self.model
 
-    def _forward_done(self, *_: object) -> None:
-        """The model's forward returned: the backward's all-reduce is next (the hang detector
-        tells a rank stuck before it from peers waiting in it, ``torchpass_slurm.phase``)."""
+    def _forward_called(self, *_: object) -> None:
+        """The DDP model's forward is called: its collectives start here (a buffer broadcast,
+        then the backward's all-reduce). The hang detector tells a rank stuck before them from
+        peers waiting in them (``torchpass_slurm.phase``)."""
         self.rt.state = Phase.SYNC
