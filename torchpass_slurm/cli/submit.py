@@ -30,6 +30,7 @@ from torchpass_slurm.submit import (
     check_script_interpreter,
     describe_layout,
     parse_submit_args,
+    partition_unknown_warning,
     read_batch_script,
     render_batch_script,
     resolve_job_spec,
@@ -154,7 +155,9 @@ def _check(
         if not request.dry_run:
             raise
         click.echo(f"warning: could not check the partition's size: {err.message}", err=True)
-        count = None
+        return
+    if count is None:  # refused when known (below); said when not, never silently accepted
+        click.echo(partition_unknown_warning(spec, partition), err=True)
     check_partition_fits(spec, partition, count)
 
 

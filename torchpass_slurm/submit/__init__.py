@@ -30,6 +30,7 @@ from torchpass_slurm.submit.checks import (
     check_partition_fits,
     check_run_dir,
     check_script_interpreter,
+    partition_unknown_warning,
     read_batch_script,
 )
 from torchpass_slurm.submit.command_line import SubmitRequest, parse_submit_args
@@ -55,6 +56,7 @@ __all__ = [
     "Submitter",
     "check_command",
     "check_partition_fits",
+    "partition_unknown_warning",
     "check_run_dir",
     "check_script_interpreter",
     "describe_layout",

@@ -23,6 +23,7 @@ __all__ = [
     "POSIX_SHELLS",
     "check_command",
     "check_partition_fits",
+    "partition_unknown_warning",
     "check_run_dir",
     "check_script_interpreter",
     "read_batch_script",
@@ -140,4 +141,15 @@ def check_partition_fits(spec: JobSpec, partition: str | None, node_count: int |
         f"the job needs {spec.total_nodes} nodes ({spec.nodes} active + "
         f"{plural(spec.spares, 'hot spare')}), but {where} has only {plural(node_count, 'node')}",
         hint="lower --spares or -N, or pick a larger partition with -p",
+    )
+
+
+def partition_unknown_warning(spec: JobSpec, partition: str | None, why: str | None = None) -> str:
+    """The warning when the partition's size could not be read: what was not checked, and why."""
+    where = f"partition {partition!r}" if partition else "the cluster"
+    why = why or f"Slurm lists no nodes in {where}"
+    return (
+        f"warning: could not check the partition's size: {why}; not checked that the job's "
+        f"{spec.total_nodes} nodes ({spec.nodes} active + {plural(spec.spares, 'hot spare')}) fit "
+        f"(a job larger than its partition is never started)"
     )

@@ -332,3 +332,44 @@ def test_adapter_submits_the_script_text() -> None:
 def test_adapter_counts_partition_nodes() -> None:
     submitter = cli.SlurmSubmitter(FakeSlurm({"c1": ("debug", "all"), "c2": ("debug", "all"), "c3": ("all", "gpu")}))
     assert [submitter.partition_node_count(p) for p in (None, "all", "gpu", "nope")] == [3, 3, 1, None]
+
+
+# --- issue 11, item 7: counts are ASCII digits; spares beyond the partition --------------------
+
+
+@pytest.mark.parametrize(("argv", "err"), [
+    (("--spares=²",), "error: the number of hot spares must be a whole number, got --spares=²\n"),
+    (("--spares", "٣"), "error: the number of hot spares must be a whole number, got --spares ٣\n"),
+    (("-n", "²"), "error: the number of tasks must be a whole number, got -n ²\n"),
+    (("--ntasks=٢",), "error: the number of tasks must be a whole number, got --ntasks=٢\n"),
+    (("-N", "٣"), "error: -N ٣: the node count must be a whole number, not '٣'\n"
+                  "  hint: tp needs a fixed number of active nodes, e.g. -N 4\n"),
+], ids=["spares-superscript", "spares-arabic-indic", "ntasks-superscript", "ntasks-arabic-indic",
+        "nodes-arabic-indic"])
+def test_counts_are_ascii_digits_and_say_so_without_a_traceback(
+        fake: FakeSubmitter, tmp_path: Path, argv: tuple[str, ...], err: str) -> None:
+    refused(tp_submit(*argv, "train.sh"), fake, err, tmp_path)
+
+
+def test_a_tp_directive_with_a_non_ascii_count_is_refused(fake: FakeSubmitter, tmp_path: Path) -> None:
+    (tmp_path / "train.sh").write_text(SCRIPT.replace("#TP --spares=1", "#TP --spares=١"))
+    result = tp_submit("train.sh")
+    assert (result.code, result.out) == (2, "")
+    assert result.err.startswith("error: the number of hot spares must be a whole number, got --spares=١")
+    assert fake.submitted == []
+
+
+def test_spares_beyond_the_partition_are_refused(fake: FakeSubmitter, tmp_path: Path) -> None:
+    refused(tp_submit("--spares", "99", "-p", "small", "train.sh"), fake, (
+        "error: the job needs 101 nodes (2 active + 99 hot spares), but partition 'small' has only 2 nodes\n"
+        "  hint: lower --spares or -N, or pick a larger partition with -p\n"), tmp_path)
+
+
+def test_spares_are_submitted_with_a_warning_when_the_partition_size_is_unknown(
+        fake: FakeSubmitter) -> None:
+    result = tp_submit("--parsable", "--spares", "99", "-p", "elsewhere", "train.sh")
+    assert result == Outcome(0, "4242\n", (
+        "warning: could not check the partition's size: Slurm lists no nodes in partition 'elsewhere'; "
+        "not checked that the job's 101 nodes (2 active + 99 hot spares) fit (a job larger than its "
+        "partition is never started)\n"))
+    assert len(fake.submitted) == 1
