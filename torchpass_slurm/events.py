@@ -16,7 +16,15 @@ Crashes. A crash mid-write can leave a torn last line. :func:`read_events`
 skips it. The next :class:`EventLog` opened on the file ends the torn line and
 writes a :data:`LOG_REPAIRED` event right after it, so the log stays
 append-only and the reader knows the fragment before that event is not
-garbage. An unparsable line anywhere else is an error.
+garbage.
+
+What is written is what can be read: :meth:`EventLog.append` refuses a field
+that is not plain JSON by the rules of :mod:`torchpass_slurm.control.jsonsafe`
+(finite numbers, integers within 64 bits, nesting at most
+:data:`MAX_FIELD_NESTING` deep), so that a malformed report a rank sent
+cannot make the log unreadable. Any other bad line (an edit, another writer)
+is skipped by :func:`read_events` with a warning and its line number in
+:attr:`Events.skipped`; ``strict=True`` makes it an error instead.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchpass_slurm.control import jsonsafe
 from torchpass_slurm.errors import EventLogError
 
 __all__ = [
@@ -53,6 +62,7 @@ __all__ = [
     "LOG_REPAIRED",
     "EVENTS_FILE",
     "Event",
+    "Events",
     "EventLog",
     "read_events",
 ]
@@ -91,6 +101,8 @@ NODE_RELEASED = (
 )
 LOG_REPAIRED = "log_repaired"  # a torn line before this one was left by a crash
 
+#: Deepest nesting of lists and objects in one line (the line's own object is level 1).
+MAX_FIELD_NESTING = 16
 #: Keys every line has; an event's own fields may not use them.
 RESERVED_KEYS = frozenset({"ts", "kind", "job", "epoch"})
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
@@ -111,7 +123,7 @@ class Event:
         obj = {**self.fields, "ts": self.ts, "kind": self.kind, "job": self.job, "epoch": self.epoch}
         try:
             text = json.dumps(obj, sort_keys=True, allow_nan=False, default=_jsonable)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise EventLogError(f"event {self.kind!r} has a field that is not JSON: {exc}") from None
         return (text + "\n").encode("utf-8")
 
@@ -156,7 +168,12 @@ class EventLog:
         if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int)):
             raise EventLogError(f"event {kind!r} has the epoch {epoch!r}; an epoch is an integer")
         event = Event(self._clock(), kind, self.job, self.epoch if epoch is None else epoch, fields)
-        self._write(event.to_line())
+        line = event.to_line()
+        try:  # read back by the reader's rules: what it cannot read is never written
+            jsonsafe.loads(line.decode("utf-8"), max_depth=MAX_FIELD_NESTING)
+        except jsonsafe.JSONRefused as exc:
+            raise EventLogError(f"event {kind!r} has a field that is not plain JSON: it {exc}") from None
+        self._write(line)
         return event
 
     def close(self) -> None:
@@ -210,12 +227,20 @@ def _locked(fd: int) -> Iterator[None]:
         fcntl.flock(fd, fcntl.LOCK_UN)
 
 
-def read_events(path: Path) -> list[Event]:
+class Events(list[Event]):
+    """The events of a log, in file order, and the lines that were skipped as not events."""
+
+    #: 1-based numbers of the lines skipped because they are not events (torn lines not counted)
+    skipped: tuple[int, ...] = ()
+
+
+def read_events(path: Path, *, strict: bool = False) -> Events:
     """All events in the log at ``path``, in file order.
 
     Skips blank lines, a torn last line, and a torn line followed by a
-    :data:`LOG_REPAIRED` event; raises EventLogError (with the line number)
-    for any other line that is not a valid event.
+    :data:`LOG_REPAIRED` event. Any other line that is not a valid event is
+    skipped with a warning and its number recorded in :attr:`Events.skipped`
+    (``strict=True``: raises EventLogError with the line number instead).
     """
     path = Path(path)
     try:
@@ -224,15 +249,20 @@ def read_events(path: Path) -> list[Event]:
         raise EventLogError(f"cannot read the event log {path}: {exc.strerror}") from None
     lines = data.split(b"\n")
     parsed = [_parse_line(line) for line in lines]
-    events: list[Event] = []
+    events = Events()
+    skipped: list[int] = []
     for i, (line, event) in enumerate(zip(lines, parsed, strict=True)):
         if event is not None:
             events.append(event)
         elif line.strip() and not _is_torn(i, lines, parsed):
-            raise EventLogError(
-                f"{path}:{i + 1} is not a valid event: {line[:80]!r}",
-                hint="the event log was edited or written by something else; fix or remove that line",
-            )
+            if strict:
+                raise EventLogError(
+                    f"{path}:{i + 1} is not a valid event: {line[:80]!r}",
+                    hint="the event log was edited or written by something else; fix or remove that line",
+                )
+            skipped.append(i + 1)
+            logger.warning("%s:%d is not a valid event, skipped: %r", path, i + 1, line[:80])
+    events.skipped = tuple(skipped)
     return events
 
 
@@ -247,8 +277,8 @@ def _is_torn(i: int, lines: list[bytes], parsed: list[Event | None]) -> bool:
 
 def _parse_line(line: bytes) -> Event | None:
     try:
-        obj = json.loads(line)
-    except ValueError:
+        obj = jsonsafe.loads(line.decode("utf-8"), max_depth=MAX_FIELD_NESTING)
+    except (UnicodeDecodeError, jsonsafe.JSONRefused):
         return None
     if not isinstance(obj, dict) or not RESERVED_KEYS <= set(obj):
         return None

@@ -111,7 +111,9 @@ def test_garbage_in_the_middle_is_an_error(path: Path) -> None:
     with EventLog(path) as log:
         log.append(ev.FINISHED)
     with pytest.raises(EventLogError, match=r"events.jsonl:2 is not a valid event"):
-        read_events(path)
+        read_events(path, strict=True)
+    events = read_events(path)  # by default: skipped, and said
+    assert [e.kind for e in events] == ["started", "finished"] and events.skipped == (2,)
 
 
 @pytest.mark.parametrize(
@@ -123,9 +125,45 @@ def test_lines_that_are_not_events(path: Path, line: bytes) -> None:
     path.parent.mkdir(parents=True)
     path.write_bytes(line + b"\n")
     with pytest.raises(EventLogError, match=":1 is not a valid event"):
-        read_events(path)
+        read_events(path, strict=True)
+    events = read_events(path)
+    assert events == [] and events.skipped == (1,)
 
 
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(EventLogError, match="cannot read"):
         read_events(tmp_path / "nope.jsonl")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"step": float("inf")}, {"loss": float("nan")}, {"step": 10**30}, {"x": [[[[[[[[[[[[[[[[[0]]]]]]]]]]]]]]]]]}],
+    ids=["inf", "nan", "huge-int", "deep"],
+)
+def test_append_refuses_what_the_reader_could_not_read(path: Path, fields: dict[str, object]) -> None:
+    with EventLog(path) as log:
+        with pytest.raises(EventLogError, match="JSON"):
+            log.append("resumed", **fields)
+        log.append("resumed", step=3, ranks=[0, 1], detail={"a": [1.5, None, True]})
+    (event,) = read_events(path)
+    assert event.fields == {"step": 3, "ranks": [0, 1], "detail": {"a": [1.5, None, True]}}
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b'{"ts": 1, "kind": "x", "job": "", "epoch": 0, "a": ' + b"[" * 30_000 + b"]" * 30_000 + b"}",
+     b'{"ts": 1, "kind": "x", "job": "", "epoch": 0, "step": Infinity}',
+     b'{"ts": 1, "kind": "x", "job": "", "epoch": 0, "step": ' + b"9" * 400 + b"}",
+     b'{"ts": 1, "kind": "x", "job": "", "epoch": "1"}',
+     b"\xff\xfe"],
+    ids=["deep", "infinity", "400-digits", "string-epoch", "not-utf8"],
+)
+def test_a_hostile_line_is_skipped_and_counted(path: Path, line: bytes) -> None:
+    with EventLog(path) as log:
+        log.append(ev.STARTED)
+    with path.open("ab") as f:
+        f.write(line + b"\n")
+    with EventLog(path) as log:
+        log.append(ev.FINISHED)
+    events = read_events(path)
+    assert [e.kind for e in events] == ["started", "finished"] and events.skipped == (2,)

@@ -103,4 +103,11 @@ def events(app: App, job_or_run_dir: str, as_json: bool, kinds: tuple[str, ...],
     if following:
         follow(path, wanted, as_json)
         return
-    _print(select(read_events(path), wanted), as_json)
+    found = read_events(path)
+    _print(select(found, wanted), as_json)
+    if found.skipped:
+        lines = ", ".join(map(str, found.skipped[:10])) + (", ..." if len(found.skipped) > 10 else "")
+        click.echo(
+            f"tp events: skipped {len(found.skipped)} line(s) of {path} that are not events (line {lines})",
+            err=True,
+        )

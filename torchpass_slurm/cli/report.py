@@ -124,7 +124,7 @@ def load_reports(args: Sequence[str]) -> list[JobReport]:
 
 def load_report(run_dir: Path) -> JobReport:
     """Read a run folder's event log and analyse it."""
-    return analyse(read_events(run_dir / EVENTS_FILE), source=str(run_dir))
+    return analyse(read_events(run_dir / EVENTS_FILE, strict=True), source=str(run_dir))
 
 
 def load_fleet_member(run_dir: Path) -> JobReport | None:

@@ -151,7 +151,23 @@ REPORT_FIELDS: Mapping[ReportKind, Mapping[str, type]] = {
     ReportKind.GROUP_REBUILT: {"epoch": int},
     ReportKind.TRANSFER_DONE: {"epoch": int},
     ReportKind.RELEASED: {"epoch": int},
+    ReportKind.HEALTH_WARNING: {"status": str, "summary": str},
 }
+#: Fields any report may carry, with their types when present. Every field of a report
+#: may end up in the event log, and the log's readers rely on these types.
+OPTIONAL_REPORT_FIELDS: Mapping[str, tuple[type, ...]] = {
+    "rank": (int, type(None)),
+    "epoch": (int,),
+    "step": (int,),
+    "committed_step": (int,),
+    "seconds": (int, float),
+    "bytes": (int,),
+    "retries": (int,),
+    "error": (str,),
+}
+#: Names a report's fields may not use: the event log's own keys, and ``node``, which the
+#: supervisor sets from the sender (only the health agent's report names its node itself).
+RESERVED_REPORT_FIELDS = frozenset({"ts", "kind", "job", "node"})
 
 
 @dataclass(frozen=True)
@@ -183,6 +199,16 @@ class Report:
             raise ControlPlaneError(
                 f"{kind.value!r} report fields are {type(fields).__name__}; expected an object"
             )
+        what = f"{kind.value!r} report"
         for name, type_ in REPORT_FIELDS.get(kind, {}).items():
-            _field(fields, name, type_, f"{kind.value!r} report")
+            _field(fields, name, type_, what)
+        for name, types in OPTIONAL_REPORT_FIELDS.items():
+            value = fields.get(name)
+            if name in fields and (isinstance(value, bool) or not isinstance(value, types)):
+                wanted = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+                raise ControlPlaneError(f"{what} field {name!r} is {value!r}; expected {wanted}")
+        reserved = RESERVED_REPORT_FIELDS - ({"node"} if kind == ReportKind.HEALTH_WARNING else set())
+        clash = sorted(reserved & set(fields))
+        if clash:
+            raise ControlPlaneError(f"{what} has fields named {', '.join(clash)}; those names are reserved")
         return cls(kind, dict(fields))

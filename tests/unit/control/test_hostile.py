@@ -92,6 +92,11 @@ def test_nesting_up_to_the_bound_parses() -> None:
     ("agreement", {"rank": 0, "committed_step": "7", "epoch": 1}),
     ("first_step", {"rank": 0, "epoch": 1}),
     ("no_such_event", {"rank": 0}),
+    ("agreement", {"rank": 0, "committed_step": 7, "epoch": 1, "node": "n9"}),  # node: set by the supervisor
+    ("group_rebuilt", {"rank": 0, "epoch": 1, "seconds": "fast"}),
+    ("live_ready", {"rank": "0"}),
+    ("collective_failed", {"rank": 0, "epoch": 1, "error": ["x"]}),
+    ("health_warning", {"rank": 0, "node": "n1", "status": 2, "summary": ""}),
 ])
 def test_a_report_with_a_mistyped_or_missing_field_is_refused(event: str, fields: dict[str, Any]) -> None:
     with pytest.raises(ControlPlaneError):
