@@ -112,8 +112,8 @@ class SupervisorConfig:
     #: A job whose highest step has not moved for max(``hang_floor``, ``hang_factor`` x its
     #: median step time) while every rank computes or synchronises a step is hung: the ranks
     #: behind are blamed (the silent ones, else those still computing a step their peers wait
-    #: in). Ranks in ``on_commit`` (checkpoints) or recovering are never judged so.
-    hang_factor: float = 4.0
+    #: in). Time while a rank is in ``on_commit`` (checkpoints) or recovering never counts.
+    hang_factor: float = 3.0
     hang_floor: float = 2.0
     #: Ambiguous evidence (a step exit when the ranks do not all run the elastic loop, a
     #: failed collective that names nobody silent) is weighed this long at most; confirmed

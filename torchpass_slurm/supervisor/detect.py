@@ -106,9 +106,8 @@ class Detectors:
         self._settle: _Settle | None = None
         self._next_slurm_poll = 0.0
         self._next_silence_check = 0.0
-        #: the last pass at which the job was not steady (launching, recovering, settling):
-        #: progress is judged from then on, not across a recovery
-        self._unsteady_at = 0.0
+        #: no progress, counted only while the job is steady and every rank computes or syncs
+        self.hang = hang.HangWatch()
 
     @property
     def settling(self) -> bool:
@@ -135,7 +134,7 @@ class Detectors:
     def detect(self) -> list[Fault]:
         """The faults of one detection (at once when conclusive, else after settling), or []."""
         if self.job.state != RunState.RUNNING or self.job.migration is not None or self._settle is not None:
-            self._unsteady_at = self.clock.monotonic()
+            self.hang.unsteady(self.clock.monotonic())
         exited = self._step_exit()
         if exited is not None and self._exit_is_conclusive(exited.node):
             return self._judged([dataclasses.replace(exited, evidence=Evidence.CONCLUSIVE)])
@@ -164,7 +163,7 @@ class Detectors:
 
     def _no_progress(self) -> list[Fault]:
         """The ranks behind a job whose step has not moved for its hang threshold."""
-        return hang.judge(self.job, self.config, self.clock, steady_since=self._unsteady_at)
+        return self.hang.check(self.job, self.config, self.clock)
 
     def _stalled_recovery(self) -> Fault | None:
         """A live, planned or regroup recovery past ``recovery_timeout`` without its first step."""

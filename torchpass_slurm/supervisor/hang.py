@@ -1,9 +1,10 @@
 """A hang is known by lack of progress, not by lack of liveness: the pure judgment.
 
-The detectors (:mod:`.detect`) call :func:`behind` once the job's highest
-step has not moved for :func:`threshold` seconds, a multiple of its median
-step time (:mod:`.progress`) with a floor, with every active rank's last
-heartbeat: its committed step and its phase (:mod:`torchpass_slurm.phase`).
+The detectors (:mod:`.detect`) ask :class:`HangWatch` at every silence
+check; it calls :func:`behind` once the job's highest step has not moved
+for :func:`threshold` seconds, a multiple of its median step time
+(:mod:`.progress`) with a floor, with every active rank's last heartbeat:
+its committed step and its phase (:mod:`torchpass_slurm.phase`).
 In a data-parallel step every rank waits for every other in the gradients'
 all-reduce, so when nothing moves, the ranks to blame are the ones not
 waiting:
@@ -37,7 +38,7 @@ from torchpass_slurm.phase import JUDGED, Phase
 from torchpass_slurm.supervisor.state import Clock, JobState
 from torchpass_slurm.supervisor.workers import WorkerState
 
-__all__ = ["RankView", "threshold", "behind", "judge"]
+__all__ = ["RankView", "HangWatch", "threshold", "behind"]
 
 
 @dataclass(frozen=True)
@@ -80,30 +81,50 @@ def behind(ranks: Sequence[RankView]) -> tuple[Detector, list[RankView]] | None:
     return (Detector.RANK_HUNG, stuck) if stuck else None
 
 
-def judge(job: JobState, config: SupervisorConfig, clock: Clock, *, steady_since: float) -> list[Fault]:
-    """The faults of a job whose highest step has not moved for its threshold (monotonic
-    time, counted from ``steady_since`` at the earliest: not across a recovery), or []."""
-    limit = threshold(job.progress.step_seconds, config.hang_factor, config.hang_floor)
-    last = job.progress.last_advance
-    if limit is None or last is None:
-        return []
-    quiet = clock.monotonic() - max(last, steady_since)
-    if quiet <= limit:
-        return []
-    verdict = behind(views(job, clock.time(), config.silence_threshold))
-    if verdict is None:
-        return []
-    detector, ranks = verdict
-    why = f"no step progress for {quiet:.1f} s (threshold {limit:.1f} s)"
-    faults: dict[str, Fault] = {}
-    for r in ranks:
-        if detector == Detector.HEARTBEAT_LOST:
-            silent = job.steps[r.node].silent_for(clock.time()) or 0.0
-            detail = f"{r.node} silent for {silent:.1f} s; {why}"
-        else:
-            detail = f"{r.sender} still computing after step {r.step} while its peers wait; {why}"
-        faults.setdefault(r.node, Fault(r.node, detector, detail, evidence=Evidence.PROGRESS))
-    return list(faults.values())
+class HangWatch:
+    """When the job's lack of progress started to count, and the verdict once it is due.
+
+    The time without progress counts only while every active rank is in
+    ``compute`` or ``sync``: from the last advance of the job's highest step,
+    from the end of a recovery or settle window (:meth:`unsteady`), or from
+    the last check that found a rank in another phase, whichever is latest.
+    So a checkpoint in ``on_commit`` never counts, even once it is over and
+    the ranks' next step has begun at different times.
+    """
+
+    def __init__(self) -> None:
+        self.since = 0.0
+
+    def unsteady(self, now: float) -> None:
+        """The job is launching, recovering or settling at ``now`` (monotonic)."""
+        self.since = now
+
+    def check(self, job: JobState, config: SupervisorConfig, clock: Clock) -> list[Fault]:
+        """The faults of a job without progress for its threshold, or []."""
+        now = clock.monotonic()
+        ranks = views(job, clock.time(), config.silence_threshold)
+        if not ranks or any(r.phase not in JUDGED for r in ranks):
+            self.since = now
+            return []
+        limit = threshold(job.progress.step_seconds, config.hang_factor, config.hang_floor)
+        last = job.progress.last_advance
+        if limit is None or last is None:
+            return []
+        quiet = now - max(last, self.since)
+        verdict = behind(ranks) if quiet > limit else None
+        if verdict is None:
+            return []
+        detector, blamed = verdict
+        why = f"no step progress for {quiet:.1f} s (threshold {limit:.1f} s)"
+        faults: dict[str, Fault] = {}
+        for r in blamed:
+            if detector == Detector.HEARTBEAT_LOST:
+                silent = job.steps[r.node].silent_for(clock.time()) or 0.0
+                detail = f"{r.node} silent for {silent:.1f} s; {why}"
+            else:
+                detail = f"{r.sender} still computing after step {r.step} while its peers wait; {why}"
+            faults.setdefault(r.node, Fault(r.node, detector, detail, evidence=Evidence.PROGRESS))
+        return list(faults.values())
 
 
 def views(job: JobState, now: float, silence_threshold: float) -> list[RankView]:

@@ -6,7 +6,7 @@ step), the ranks to blame are those not waiting: the silent ones, else the
 ones still computing the step their peers wait in. A rank in ``on_commit``
 (a checkpoint write) or a stall of every rank alike is no verdict. The
 World's steps advance once a virtual second, so the threshold here is
-max(2, 4 x 1) = 4 s.
+max(2, 3 x 1) = 3 s.
 """
 
 from __future__ import annotations
@@ -103,7 +103,33 @@ def test_a_long_stall_with_nobody_behind_is_no_fault(training: Harness, phases: 
     assert not faults(h) and not h.of_kind(ev.MIGRATION_STARTED), why
 
 
-def test_no_verdict_before_the_pace_is_known_nor_across_a_recovery(training: Harness) -> None:
+def test_a_long_checkpoint_does_not_count_once_the_next_step_has_begun(training: Harness) -> None:
+    """Rank 0 writes a checkpoint for three thresholds while its peers wait; then it begins the
+    next step while c2 still computes its own, for less than a threshold: nobody is behind."""
+    h = training
+    stall(h, {"c1": Phase.HOOK}, at=STALL_AT, until=STALL_AT + 3 * LIMIT + LIMIT / 2)
+    h.world.at(STALL_AT + 3 * LIMIT, lambda: h.world.phase.update({"c1": Phase.SYNC, "c2": Phase.COMPUTE}))
+
+    result = h.run()
+
+    assert (result.state, result.epoch) == (RunState.SUCCEEDED, 0)
+    assert not faults(h) and not h.of_kind(ev.MIGRATION_STARTED)
+
+
+def test_a_rank_stuck_after_a_checkpoint_is_hung_a_threshold_after_it(training: Harness) -> None:
+    h = training
+    stall(h, {"c1": Phase.HOOK}, at=STALL_AT)
+    h.world.at(STALL_AT + 2 * LIMIT, lambda: h.world.phase.update({"c1": Phase.SYNC, "c2": Phase.COMPUTE}))
+
+    h.run()
+
+    (fault,) = faults(h)
+    assert (fault.kind, fault.fields["node"], fault.fields["evidence"]) == (ev.RANK_HUNG, "c2", "progress")
+    assert STALL_AT + 3 * LIMIT <= at_of(h, fault) <= STALL_AT + 3 * LIMIT + 3 * PASS
+    assert_one_live_migration(h, "c2")
+
+
+def test_no_verdict_before_the_pace_is_known(training: Harness) -> None:
     h = training
     stall(h, {"c2": Phase.COMPUTE}, at=0.0, until=LIMIT + 3.0)  # stuck from the start: no pace yet
 
