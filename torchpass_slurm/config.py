@@ -41,6 +41,10 @@ ENV_RANK_BASE = "TORCHPASS_RANK_BASE"
 #: host:port of the job's rendezvous store (a TCPStore the supervisor hosts); every
 #: epoch's process group meets under the prefix ``epoch<N>`` in it.
 ENV_STORE = "TORCHPASS_STORE"
+#: "1": the node's ranks beat to its local rank 0, which sends one heartbeat for all of them
+#: (torchpass_slurm/rank/nodebeat.py); tp run sets it when the job has at least
+#: ``SupervisorConfig.heartbeat_per_node_from`` nodes.
+ENV_NODE_HEARTBEAT = "TORCHPASS_NODE_HEARTBEAT"
 
 #: How a lost rank is recovered: "live" (migrate the state to a spare when the
 #: training runs the elastic loop, else restart) or "restart" (always restart
@@ -98,7 +102,8 @@ def env_int(name: str, default: int | None = None, *, minimum: int = 0) -> int:
 
 @dataclass(frozen=True)
 class SupervisorConfig:
-    """Timing of the supervisor (tp run). All values in seconds, but ``hang_factor``."""
+    """Timing of the supervisor (tp run). All values in seconds, but ``hang_factor``, the port
+    and ``heartbeat_per_node_from`` (nodes)."""
 
     #: Interval between worker heartbeats (4 Hz: a silent node is noticed within a second).
     heartbeat_interval: float = 0.25
@@ -142,6 +147,12 @@ class SupervisorConfig:
     #: wait for either (a dead node cannot answer). Slurm ends the step anyway once it
     #: declares the node down.
     lost_stop_timeout: float = 0.5
+    #: From this many nodes (active + spares) on, the heartbeats are per node: local rank 0 of
+    #: each node sends one heartbeat that carries its node's other tasks (``tasks``), which beat
+    #: to it over a node-local socket (``TORCHPASS_NODE_HEARTBEAT``; docs/protocol.md). One
+    #: supervisor cannot take 4 Hz beats of every rank at thousands of ranks
+    #: (docs/design/control-plane-scale.md).
+    heartbeat_per_node_from: int = 256
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SupervisorConfig:
@@ -182,5 +193,5 @@ class SupervisorConfig:
 
 
 def _setting_type(default: object) -> type[int] | type[float]:
-    """A setting is an int (a port) when its default is one, else seconds as a float."""
+    """A setting is an int (a port, a node count) when its default is one, else seconds as a float."""
     return int if isinstance(default, int) else float
