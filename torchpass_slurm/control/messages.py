@@ -74,6 +74,8 @@ __all__ = [
     "SUPERVISOR",
     "DEFAULT_MAX_SKEW_S",
     "MAC_BYTES",
+    "MAX_TASKS",
+    "MAX_STATE_CHARS",
     "Message",
     "ReplayGuard",
     "Receiver",
@@ -112,6 +114,9 @@ MAX_INT = jsonsafe.MAX_INT
 #: the window only has to cover skew plus queueing delay.
 DEFAULT_MAX_SKEW_S = 30.0
 MAC_BYTES = hashlib.sha256().digest_size
+#: Most entries in a per-node heartbeat's ``tasks``, and the longest ``state`` one may carry.
+MAX_TASKS = 1024
+MAX_STATE_CHARS = 64
 #: Prefix of every MAC input: a key used here cannot be confused with any other use.
 _MAC_DOMAIN = b"torchpass-slurm control plane\0"
 
@@ -122,7 +127,8 @@ _STR = (str,)
 
 #: Required body fields of each kind and their allowed JSON types. Extra
 #: fields are allowed (a newer peer may send more); missing or mistyped
-#: required fields are errors.
+#: required fields are errors. A heartbeat's optional ``tasks`` is checked too
+#: (:func:`_check_tasks`).
 BODY_SCHEMAS: Mapping[str, Mapping[str, tuple[type, ...]]] = {
     HELLO: {"node": _STR, "rank": _OPT_INT, "local_rank": _INT, "role": _STR, "pid": _INT},
     HEARTBEAT: {"rank": _OPT_INT, "step": _OPT_INT, "state": _STR},
@@ -425,6 +431,36 @@ def _check_body(kind: str, body: object) -> None:
             wanted = " or ".join("null" if t is type(None) else t.__name__ for t in types)
             raise ControlPlaneError(
                 f"{kind!r} body field {name!r} is {type(value).__name__}; expected {wanted}"
+            )
+    if kind == HEARTBEAT and "tasks" in body:
+        _check_tasks(body["tasks"])
+
+
+def _check_tasks(tasks: object) -> None:
+    """A per-node heartbeat's ``tasks``: at most :data:`MAX_TASKS` entries, each
+    ``[local_rank, rank, step, state, age_ms]`` (int >= 0, int or null, int or null,
+    str of at most :data:`MAX_STATE_CHARS`, int >= 0)."""
+    if not isinstance(tasks, list) or len(tasks) > MAX_TASKS:
+        size = f"a list of {len(tasks)}" if isinstance(tasks, list) else f"a {type(tasks).__name__}"
+        raise ControlPlaneError(
+            f"'heartbeat' body field 'tasks' is {size}; expected a list of at most {MAX_TASKS} entries"
+        )
+    for entry in tasks:
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 5
+            and _is_int(entry[0])
+            and 0 <= entry[0] <= MAX_INT
+            and (entry[1] is None or _is_int(entry[1]))
+            and (entry[2] is None or _is_int(entry[2]))
+            and isinstance(entry[3], str)
+            and len(entry[3]) <= MAX_STATE_CHARS
+            and _is_int(entry[4])
+            and 0 <= entry[4] <= MAX_INT
+        ):
+            raise ControlPlaneError(
+                f"'heartbeat' body has the task entry {str(entry)[:80]}; expected [local_rank >= 0, "
+                f"rank or null, step or null, state of at most {MAX_STATE_CHARS} characters, age_ms >= 0]"
             )
 
 

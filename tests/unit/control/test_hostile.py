@@ -52,6 +52,13 @@ def report(fields: str) -> bytes:
     return envelope(kind="report", body=f'{{"event":"live_ready","fields":{fields}}}')
 
 
+def node_beat(tasks: str) -> bytes:
+    """A per-node heartbeat: local rank 0's own beat and ``tasks``, its node's other ranks."""
+    return envelope(body='{"rank":0,"step":1,"state":"sync","tasks":' + tasks + "}")
+
+
+TASK = '[1,1,7,"sync",120]'
+
 HOSTILE: dict[str, bytes] = {
     "400-digit timestamp": envelope(ts="9" * 400),
     "400-digit seq": envelope(seq="9" * 400),
@@ -64,6 +71,23 @@ HOSTILE: dict[str, bytes] = {
     "1e400": report('{"rank":0,"step":1e400}'),
     "resumed at step Infinity": envelope(
         kind="report", body='{"event":"resumed","fields":{"rank":0,"step":Infinity,"epoch":1}}'),
+    "tasks: an object": node_beat('{"1":[1,1,7,"sync",120]}'),
+    "tasks: null": node_beat("null"),
+    "tasks: 1,025 entries": node_beat("[" + ",".join([TASK] * 1025) + "]"),
+    "task of 4 fields": node_beat('[[1,1,7,"sync"]]'),
+    "task of 6 fields": node_beat('[[1,1,7,"sync",120,0]]'),
+    "task: an object": node_beat('[{"local_rank":1}]'),
+    "task: negative local rank": node_beat('[[-1,1,7,"sync",120]]'),
+    "task: local rank true": node_beat('[[true,1,7,"sync",120]]'),
+    "task: local rank 1.0": node_beat('[[1.0,1,7,"sync",120]]'),
+    "task: rank a string": node_beat('[[1,"1",7,"sync",120]]'),
+    "task: step false": node_beat('[[1,1,false,"sync",120]]'),
+    "task: state 65 characters": node_beat('[[1,1,7,"' + "s" * 65 + '",120]]'),
+    "task: state null": node_beat("[[1,1,7,null,120]]"),
+    "task: negative age": node_beat('[[1,1,7,"sync",-1]]'),
+    "task: age 0.5": node_beat('[[1,1,7,"sync",0.5]]'),
+    "task: age null": node_beat('[[1,1,7,"sync",null]]'),
+    "one good task, then a bad one": node_beat(f'[{TASK},[2,2,7,"sync","old"]]'),
 }
 
 
@@ -77,6 +101,22 @@ def test_a_well_formed_message_of_the_same_shape_is_accepted() -> None:
     """The control: the hand-signed envelope itself is valid, so only the hostile part is refused."""
     msg = m.decode(frames(envelope(body='{"rank":0,"step":1,"state":"x"}')), SECRET, now=NOW)
     assert (msg.kind, msg.body["step"]) == ("heartbeat", 1)
+
+
+def test_a_node_beat_at_the_bounds_is_accepted() -> None:
+    """The control of the ``tasks`` cases: 1,024 entries, a 64-character state, nulls, age 0."""
+    most = node_beat("[" + ",".join([TASK] * m.MAX_TASKS) + "]")
+    assert len(m.decode(frames(most), SECRET, now=NOW).body["tasks"]) == 1024
+    edge = node_beat('[[0,null,null,"' + "s" * 64 + '",0],[3,9,null,"",9000000000]]')
+    assert m.decode(frames(edge), SECRET, now=NOW).body["tasks"][1] == [3, 9, None, "", 9_000_000_000]
+    assert m.decode(frames(node_beat("[]")), SECRET, now=NOW).body["tasks"] == []
+
+
+def test_encode_refuses_a_malformed_node_beat_too() -> None:
+    """A rank's own bug is caught before it is sent, by the same check."""
+    body = {"rank": 0, "step": 1, "state": "sync", "tasks": [[1, 1, 7, "sync", -5]]}
+    with pytest.raises(ControlPlaneError, match="task entry"):
+        m.encode(m.Message(m.HEARTBEAT, "n1/0", 1, NOW, body), SECRET)
 
 
 def test_nesting_up_to_the_bound_parses() -> None:
