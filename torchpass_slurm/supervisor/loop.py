@@ -266,6 +266,8 @@ class Supervisor:
                 )
         elif message.kind == Kind.HEARTBEAT:
             step.seen(message.sender, now, body.get("step"), body.get("state"))
+            if "tasks" in body:  # a per-node heartbeat: its node's other tasks, relayed
+                step.relayed(message.sender, body["tasks"], now)
         elif message.kind == Kind.BYE:
             step.said_bye.add(message.sender)  # it stops beating; its step's exit says the rest
         elif message.kind == Kind.REPORT:

@@ -2,7 +2,8 @@
 
 A :class:`WorkerStep` is the supervisor's handle on one node's step: the srun
 process, the control-plane senders of its tasks (``NODE/LOCALID``), the last
-heartbeat and step each reported. :class:`StepLauncher` starts steps with the
+heartbeat and step each reported (its own, or relayed by its node's local
+rank 0 in a per-node heartbeat). :class:`StepLauncher` starts steps with the
 environment of ``docs/design/runtime-contract.md`` and stops them with a
 bounded wait. Nothing here decides anything; :mod:`.supervisor` does.
 """
@@ -16,7 +17,7 @@ import subprocess
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from torchpass_slurm import config as cfg
 from torchpass_slurm.slurm import SlurmBackend
@@ -93,6 +94,20 @@ class WorkerStep:
         if step is not None and (self.last_step is None or step > self.last_step):
             self.last_step = step
 
+    def relayed(self, relay: str, tasks: Iterable[Sequence[Any]], now: float) -> None:
+        """The other tasks a per-node heartbeat from ``relay`` (its node's local rank 0) carries:
+        each ``[local_rank, rank, step, state, age_ms]`` (checked by ``control/messages.py``) marks
+        ``NODE/local_rank`` heard ``age_ms`` before ``now``, with its step and phase, unless
+        something newer was heard from it. Local ranks outside the step, and the relay's own,
+        are ignored."""
+        own = relay.rsplit("/", 1)[-1]
+        for local, _rank, step, phase, age_ms in tasks:
+            if local >= self.ntasks or str(local) == own:
+                continue
+            sender, heard = f"{self.node}/{local}", now - age_ms / 1000
+            if heard >= self.heartbeats.get(sender, heard):
+                self.seen(sender, heard, step, phase)
+
     def silent_for(self, now: float) -> float | None:
         """Seconds since the stalest task of this step that should still beat was heard from
         (None: not all heard yet, or every task said bye)."""
@@ -127,6 +142,7 @@ class StepLauncher:
         control_endpoint: str,
         base_env: Mapping[str, str],
         clock: Clock = time,
+        heartbeat_per_node_from: int | None = None,
     ) -> None:
         self.slurm = slurm
         self.clock = clock
@@ -134,6 +150,13 @@ class StepLauncher:
         self.command = tuple(command)
         self.control_endpoint = control_endpoint
         self.base_env = dict(base_env)
+        #: jobs of at least this many nodes get per-node heartbeats (None: the setting's value,
+        #: from ``TORCHPASS_HEARTBEAT_PER_NODE_FROM`` or its default)
+        self.heartbeat_per_node_from = (
+            cfg.SupervisorConfig.from_env().heartbeat_per_node_from
+            if heartbeat_per_node_from is None
+            else heartbeat_per_node_from
+        )
         #: lost steps told to stop: (step, when its srun is killed if it is still there)
         self._kill_at: list[tuple[WorkerStep, float]] = []
 
@@ -150,6 +173,8 @@ class StepLauncher:
                 cfg.ENV_NTASKS_PER_NODE: str(membership.ntasks_per_node),
             }
         )
+        per_node = len(membership.active) + len(membership.spares) >= self.heartbeat_per_node_from
+        env[cfg.ENV_NODE_HEARTBEAT] = "1" if per_node else "0"  # never inherited from the job
         if role == cfg.NodeRole.ACTIVE:
             env.update(
                 {

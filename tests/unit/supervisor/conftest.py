@@ -76,12 +76,12 @@ class Harness:
 def make(tmp_path: Path) -> Callable[..., Harness]:
     def build(*, active: int = 3, spares: int = 1, ntasks: int = 1, train_s: float | None = 8.0,
               config: SupervisorConfig = CONFIG, store: tuple[str, int] = ("", 0),
-              recovery: str = "live", probe: bool = False) -> Harness:
+              recovery: str = "live", probe: bool = False, node_beats: bool = False) -> Harness:
         clock = VirtualClock()
         nodes = [f"c{i}" for i in range(1, active + spares + 1)]
         slurm = FakeSlurm(clock, nodes)
         server = FakeServer(clock)
-        world = World(clock, server, slurm, train_s=train_s)
+        world = World(clock, server, slurm, train_s=train_s, node_beats=node_beats)
         launcher = FakeLauncher(slurm, clock, job_id=JOB_ID)
         run_dir = tmp_path / "run"
         run_dir.mkdir()
@@ -110,9 +110,9 @@ def live(make: Callable[..., Harness]) -> Live:
     """``make``'s harness with a rendezvous store, ``recovery`` and elastic ranks on ``elastic`` nodes."""
     def build(*, recovery: str = "live", elastic: set[str] | None = None, active: int = 3,
               spares: int = 1, ntasks: int = 1, agreed_lag: int = 0,
-              probe: bool = False) -> tuple[Harness, ElasticRanks]:
+              probe: bool = False, node_beats: bool = False) -> tuple[Harness, ElasticRanks]:
         h = make(active=active, spares=spares, ntasks=ntasks, train_s=TRAIN_S, store=STORE,
-                 recovery=recovery, probe=probe)
+                 recovery=recovery, probe=probe, node_beats=node_beats)
         return h, ElasticRanks(h.world, elastic, agreed_lag=agreed_lag)
     return build
 

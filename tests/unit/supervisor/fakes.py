@@ -281,6 +281,8 @@ class SimStep:
     peers: dict[str, bytes] = field(default_factory=dict)  # sender -> peer id
     stopped: set[str] = field(default_factory=set)  # senders that obeyed a STOP
     held: int | None = None  # the step its heartbeats carry while its training is stuck
+    #: node beats: the last beat local rank 0 heard of each other task: (elapsed time, body)
+    relayed: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
 
     def step_at(self, elapsed: float) -> int:
         """The step its heartbeats carry: one per virtual second, unless held."""
@@ -304,16 +306,23 @@ class World:
     its step exits 0 once all have (a step that exits takes its tasks with it). A node in :attr:`silent`
     sends nothing any more; :attr:`hello_delay` holds back a node's first
     message by that many seconds; :attr:`phase` sets the phase a node's heartbeats
-carry. :meth:`at` runs an action at an elapsed time.
+    carry; a task in :attr:`quiet` stops beating while its process lives. :meth:`at` runs an
+    action at an elapsed time.
+
+    ``node_beats`` plays per-node heartbeats (``TORCHPASS_NODE_HEARTBEAT=1``): in an active step
+    only local rank 0 sends heartbeats, with ``tasks``, the last beat it heard of each other task
+    and its age; a quiet task keeps its old entry, older every tick (``rank/nodebeat.py``).
     """
 
     def __init__(self, clock: VirtualClock, server: FakeServer, slurm: FakeSlurm, *,
-                 train_s: float | None = 8.0) -> None:
+                 train_s: float | None = 8.0, node_beats: bool = False) -> None:
         self.clock = clock
         self.server = server
         self.train_s = train_s
+        self.node_beats = node_beats
         self.current: dict[str, SimStep] = {}
         self.silent: set[str] = set()
+        self.quiet: set[str] = set()
         self.hello_delay: dict[str, float] = {}
         #: the phase (``torchpass_slurm.phase``) an active node's heartbeats carry; default "training"
         self.phase: dict[str, str] = {}
@@ -341,6 +350,10 @@ carry. :meth:`at` runs an action at an elapsed time.
             self.silent.add(node)
             self.current[node].process.ignores_sigterm = True
         self.at(at, die)
+
+    def go_quiet(self, sender: str, *, at: float) -> None:
+        """One task stops beating (its heartbeat thread is stuck); the rest of its node goes on."""
+        self.at(at, lambda: self.quiet.add(sender))
 
     def report(self, node: str, event: ReportKind | str, *, at: float, local: int = 0, **fields: Any) -> None:
         """At ``at``, task ``local`` of the node's step then current sends a REPORT."""
@@ -388,15 +401,29 @@ carry. :meth:`at` runs an action at an elapsed time.
                 for hook in self.on_greet:
                     hook(sim)
             return
-        for sender, peer in sim.peers.items():
-            if sender in sim.stopped:
+        beats = {}
+        for sender in sim.peers:
+            if sender in sim.stopped or sender in self.quiet:
                 continue
             state = self.phase.get(sim.node, "training") if sim.role == "active" else "standby"
-            self.server.inject(peer, sender, msg.HEARTBEAT,
-                               {"rank": self.rank_of(sim, sender), "step": sim.step_at(now),
-                                "state": state})
+            beats[sender] = {"rank": self.rank_of(sim, sender), "step": sim.step_at(now), "state": state}
+        if self.node_beats and sim.role == "active":
+            self._node_beat(sim, beats)
+        else:
+            for sender, body in beats.items():
+                self.server.inject(sim.peers[sender], sender, msg.HEARTBEAT, body)
         if sim.role == "active" and self.train_s is not None and now - sim.greeted_at >= self.train_s:
             sim.process.exit(0)
+
+    def _node_beat(self, sim: SimStep, beats: dict[str, dict[str, Any]]) -> None:
+        """Local rank 0 hears the others' beats and sends one heartbeat for the node."""
+        now, leader = self.clock.elapsed, f"{sim.node}/0"
+        sim.relayed.update({s: (now, b) for s, b in beats.items() if s != leader})
+        if leader not in beats:
+            return
+        tasks = [[int(s.rsplit("/", 1)[1]), b["rank"], b["step"], b["state"], round((now - t) * 1000)]
+                 for s, (t, b) in sorted(sim.relayed.items())]
+        self.server.inject(sim.peers[leader], leader, msg.HEARTBEAT, {**beats[leader], "tasks": tasks})
 
     def _greeting(self, sim: SimStep, sender: str) -> tuple[str, dict[str, Any]]:
         local = int(sender.rsplit("/", 1)[1])

@@ -1,0 +1,166 @@
+"""Per-node heartbeats (``TORCHPASS_NODE_HEARTBEAT=1``): local rank 0 of each node sends one
+heartbeat whose ``tasks`` carry its node's other ranks, and the supervisor judges every rank
+by its own last beat as before: the same thresholds, the same evidence.
+
+Each timing test runs both ways, per rank and per node, on the virtual clock (conftest.CONFIG).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from torchpass_slurm import config as cfg
+from torchpass_slurm import events as ev
+from torchpass_slurm.supervisor.loop import RunState
+from torchpass_slurm.supervisor.membership import Membership
+from torchpass_slurm.supervisor.workers import StepLauncher, WorkerStep
+
+from .conftest import CONFIG, Harness, Live, at_of
+from .fakes import FakeProcess, FakeSlurm, VirtualClock
+from .test_detection import PASS, assert_one_live_migration, fault_of, probe_of
+
+MODES = pytest.mark.parametrize("node_beats", [False, True], ids=["per-rank", "per-node"])
+FAULTS = (ev.HEARTBEAT_LOST, ev.RANK_HUNG, ev.STEP_EXITED, ev.NODE_DOWN, ev.SPARE_LOST, ev.RESTARTED, ev.FAILED)
+
+
+def test_a_healthy_job_with_node_beats_has_no_fault_and_every_rank_is_heard(
+        make: Callable[..., Harness]) -> None:
+    h = make(active=3, spares=1, ntasks=2, node_beats=True)
+    h.world.phase["c2"] = "sync"
+    heard: dict[str, tuple[float, tuple[int | None, str]]] = {}
+
+    def look() -> None:
+        step = h.supervisor.steps["c2"]
+        heard.update({"c2/1": (step.heartbeats["c2/1"], step.phases["c2/1"])})
+    h.world.at(5.0, look)
+
+    result = h.run()
+
+    assert result.state == RunState.SUCCEEDED
+    assert not [e for e in h.events() if e.kind in FAULTS and e.fields.get("exit_code") != 0]
+    last, (step, phase) = heard["c2/1"]
+    assert h.clock.WALL0 + 5.0 - 2 * PASS <= last <= h.clock.WALL0 + 5.0  # relayed, a tick old at most
+    assert phase == "sync" and step is not None and step >= 3
+
+
+def test_only_local_rank_0_beats_to_the_supervisor(make: Callable[..., Harness]) -> None:
+    h = make(active=2, spares=0, ntasks=3, node_beats=True)
+    beats: list[tuple[str, dict[str, object]]] = []
+    inject = h.server.inject
+
+    def record(peer: bytes, sender: str, kind: str, body: dict[str, object]) -> None:
+        if kind == "heartbeat":
+            beats.append((sender, body))
+        inject(peer, sender, kind, body)
+    h.server.inject = record  # type: ignore[method-assign]
+
+    h.run()
+
+    assert beats and {s for s, _ in beats} == {"c1/0", "c2/0"}
+    sender, body = beats[-1]
+    assert [t[:4] for t in body["tasks"]] == [[1, 4, 8, "training"], [2, 5, 8, "training"]]  # type: ignore[index]
+
+
+@MODES
+def test_one_quiet_task_is_lost_after_the_heartbeat_timeout(live: Live, node_beats: bool) -> None:
+    """Its node still answers (the probe), so only the timeout confirms: in both modes alike."""
+    h, _ = live(probe=True, ntasks=2, node_beats=node_beats)
+    h.world.go_quiet("c2/1", at=3.0)  # per node: c2/0 keeps sending c2/1's entry, older each time
+
+    h.run()
+
+    fault = fault_of(h)
+    assert (fault.kind, fault.fields["node"], fault.fields["evidence"]) == (ev.HEARTBEAT_LOST, "c2", "timeout")
+    assert 3.0 + CONFIG.heartbeat_timeout - PASS <= at_of(h, fault) <= 3.0 + CONFIG.heartbeat_timeout + 2 * PASS
+    assert probe_of(h).started and probe_of(h).started[0][1] == "c2"
+    assert 3.0 + CONFIG.silence_threshold - PASS <= probe_of(h).started[0][0] <= (
+        3.0 + CONFIG.silence_threshold + 2 * PASS)
+    assert_one_live_migration(h, "c2")
+
+
+@MODES
+def test_a_dead_node_is_lost_by_the_probe_after_the_silence_threshold(live: Live, node_beats: bool) -> None:
+    h, _ = live(probe=True, ntasks=2, node_beats=node_beats)
+    probe_of(h).gone.add("c2")
+    h.world.go_silent("c2", at=3.0)
+
+    h.run()
+
+    fault = fault_of(h)
+    assert (fault.kind, fault.fields["node"], fault.fields["evidence"]) == (ev.HEARTBEAT_LOST, "c2", "probe")
+    latest = 3.0 + CONFIG.silence_threshold + probe_of(h).latency + 3 * PASS
+    assert 3.0 + CONFIG.silence_threshold <= at_of(h, fault) <= latest
+    assert_one_live_migration(h, "c2")
+
+
+# --- WorkerStep.relayed ------------------------------------------------------------------------
+
+
+def step_of(ntasks: int = 3) -> WorkerStep:
+    return WorkerStep(node="c1", role=cfg.NodeRole.ACTIVE, epoch=0, ntasks=ntasks,
+                      process=FakeProcess(VirtualClock()), started=0.0)  # type: ignore[arg-type]
+
+
+def test_a_relayed_task_is_heard_age_ms_before_the_beat_never_later_than_recorded() -> None:
+    step = step_of()
+    step.seen("c1/0", 100.0, 7, "sync")
+    step.relayed("c1/0", [[1, 1, 7, "sync", 250], [2, 2, 6, "compute", 0]], 100.0)
+    assert step.heartbeats == {"c1/0": 100.0, "c1/1": 99.75, "c1/2": 100.0}
+    assert step.phases["c1/1"] == (7, "sync") and step.phases["c1/2"] == (6, "compute")
+    step.seen("c1/1", 101.0, 8, "compute")  # heard directly later (its hello, a direct beat)
+    step.relayed("c1/0", [[1, 1, 7, "sync", 900]], 101.5)  # an older beat: 100.6
+    assert step.heartbeats["c1/1"] == 101.0 and step.phases["c1/1"] == (8, "compute")
+    step.relayed("c1/0", [[1, 1, 9, "sync", 100]], 102.0)
+    assert step.heartbeats["c1/1"] == pytest.approx(101.9) and step.phases["c1/1"] == (9, "sync")
+    assert step.last_step == 9
+
+
+def test_a_relayed_entry_outside_the_step_or_of_the_relay_itself_is_ignored() -> None:
+    step = step_of(ntasks=2)
+    step.seen("c1/1", 100.0, 5, "sync")
+    step.relayed("c1/1", [[1, 1, 9, "compute", 0], [2, 2, 9, "compute", 0], [7, 7, 9, "compute", 0]], 101.0)
+    assert step.heartbeats == {"c1/1": 100.0} and step.phases["c1/1"] == (5, "sync")
+    assert step.last_step == 5
+
+
+def test_a_task_quiet_behind_its_relay_grows_silent() -> None:
+    step = step_of(ntasks=2)
+    for t in (10.0, 10.25, 10.5, 10.75, 11.0):
+        step.seen("c1/0", t, 3, "sync")
+        step.relayed("c1/0", [[1, 1, 3, "sync", round((t - 10.0) * 1000)]], t)  # last beat at 10.0
+    assert step.silent_for(11.0) == pytest.approx(1.0)
+
+
+# --- StepLauncher -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("active", "spares", "threshold", "expected"), [
+    (3, 1, 4, "1"),   # 4 nodes, spares counted
+    (3, 0, 4, "0"),
+    (4, 2, 256, "0"),  # the default
+    (1, 0, 1, "1"),
+])
+def test_steps_get_node_heartbeats_from_the_node_threshold_on(
+        active: int, spares: int, threshold: int, expected: str) -> None:
+    clock = VirtualClock()
+    nodes = [f"c{i}" for i in range(1, active + spares + 1)]
+    slurm = FakeSlurm(clock, nodes)
+    launcher = StepLauncher(slurm, job_id=7, command=("python", "train.py"),  # type: ignore[arg-type]
+                            control_endpoint="tcp://batch:5555", base_env={cfg.ENV_NODE_HEARTBEAT: "1"},
+                            clock=clock, heartbeat_per_node_from=threshold)
+    membership = Membership.initial(nodes, active, 2)
+    for node in nodes:
+        launcher.launch(node, membership)
+    assert [launch.env[cfg.ENV_NODE_HEARTBEAT] for launch in slurm.launches] == [expected] * len(nodes)
+
+
+def test_the_threshold_comes_from_the_environment_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHPASS_HEARTBEAT_PER_NODE_FROM", "3")
+    clock = VirtualClock()
+    launcher = StepLauncher(FakeSlurm(clock, ["c1"]), job_id=7, command=("x",),  # type: ignore[arg-type]
+                            control_endpoint="tcp://b:1", base_env={}, clock=clock)
+    assert launcher.heartbeat_per_node_from == 3
+    monkeypatch.delenv("TORCHPASS_HEARTBEAT_PER_NODE_FROM")
+    assert cfg.SupervisorConfig.from_env().heartbeat_per_node_from == 256
