@@ -1,7 +1,9 @@
 """A rank's link to the supervisor: the control client it needs, and the heartbeat thread.
 
 Once started, :class:`Heartbeat` owns the control client: it sends a
-heartbeat every interval, the reports the training thread queued in the
+heartbeat every interval (on a node with per-node heartbeats, through its
+:class:`~torchpass_slurm.rank.nodebeat.NodeBeat`: local rank 0 sends one for
+the node, the others hand theirs to it), the reports the training thread queued in the
 outbox (within :data:`OUTBOX_SLICE_S`), hands every incoming message to the
 runtime, and says ``bye`` when closed. Nothing here imports zmq until
 :func:`connect_control` runs.
@@ -19,6 +21,7 @@ from typing import Any, Protocol
 
 from torchpass_slurm.control.messages import Kind
 from torchpass_slurm.errors import ControlPlaneError
+from torchpass_slurm.rank.nodebeat import NodeBeat
 
 __all__ = ["Message", "ControlClientLike", "ClientFactory", "connect_control", "Heartbeat", "OUTBOX_SLICE_S"]
 
@@ -71,6 +74,7 @@ class Heartbeat(threading.Thread):
         on_message: Callable[[Message], None],
         outbox: queue.Queue[tuple[str, dict[str, Any]]],
         log: logging.LoggerAdapter[logging.Logger],
+        node: NodeBeat | None = None,
     ) -> None:
         super().__init__(name="torchpass-heartbeat", daemon=True)
         self._client = client
@@ -79,6 +83,8 @@ class Heartbeat(threading.Thread):
         self._on_message = on_message
         self._outbox = outbox
         self._log = log
+        #: per-node heartbeats: what this rank does with its beat (None: send it to the supervisor)
+        self._node = node
         self.closing = threading.Event()
 
     def run(self) -> None:
@@ -87,7 +93,7 @@ class Heartbeat(threading.Thread):
             while not self.closing.is_set():
                 now = time.monotonic()
                 if now >= next_beat:
-                    self._send(Kind.HEARTBEAT, self._beat())
+                    self._heartbeat()
                     next_beat = now + self._interval.total_seconds()
                 self._flush_outbox()
                 msg = self._recv(min(OUTBOX_SLICE_S, max(0.0, next_beat - now)))
@@ -96,7 +102,16 @@ class Heartbeat(threading.Thread):
             self._flush_outbox()
             self._send(Kind.BYE, self._beat(state="done"))
         finally:
+            if self._node is not None:
+                self._node.close()
             self._client.close()
+
+    def _heartbeat(self) -> None:
+        body: dict[str, Any] | None = self._beat()
+        if self._node is not None and body is not None:
+            body = self._node.periodic(body)  # None: handed to local rank 0
+        if body is not None:
+            self._send(Kind.HEARTBEAT, body)
 
     def _flush_outbox(self) -> None:
         while True:

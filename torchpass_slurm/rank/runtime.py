@@ -65,6 +65,7 @@ from torchpass_slurm.rank.link import (
     Message,
     connect_control,
 )
+from torchpass_slurm.rank.nodebeat import node_beat
 from torchpass_slurm.rank.rankinfo import (
     RankInfo,
     Role,
@@ -342,6 +343,7 @@ class Runtime:
             on_message=self._on_message,
             outbox=self.outbox,
             log=self.log,
+            node=node_beat(self._environ, self.job_id, self.node, self._info(), self.log),
         )
         self._heartbeat, self._client = hb, None  # the thread owns the client from here on
         hb.start()
