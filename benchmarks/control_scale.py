@@ -22,10 +22,12 @@ accepted, the delay from a beat's timestamp to its receipt, and how long it
 took to notice one rank (or node) that stopped at a known time.
 
 Rows (each its own supervisor, measured one after the other in one run):
-per-rank beats from every rank; per-node aggregation (local rank 0 sends one
-heartbeat for its node's 8 ranks, with ``"ranks": [[rank, step], ...]``, an
-extra body field the schema allows); each with the silence check on every
-pass and paced; a 2,048-rank baseline; today's 2 s interval.
+per-rank beats from every rank; per-node heartbeats as ``rank/nodebeat.py``
+sends them (local rank 0 sends one heartbeat for its node's 8 ranks: its own
+beat and ``"tasks": [[local_rank, rank, step, state, age_ms], ...]`` for the
+other 7, which ``messages.decode`` checks entry by entry); each with the
+silence check on every pass and paced; a 2,048-rank baseline; today's 2 s
+interval.
 
 This is a script, not a test: numbers depend on the machine; never assert on them.
 """
@@ -185,11 +187,22 @@ def victim_of(scenario: Scenario) -> int:
     return middle if scenario.aggregate else middle * RANKS_PER_NODE + 3
 
 
+def relayed_age_ms(local: int) -> int:
+    """The age a node beat gives local rank ``local``'s last beat: the node's beats are spread
+    over the interval, so the ages are too (0 to 7/8 of an interval)."""
+    return round(INTERVAL_S * 1000 * local / RANKS_PER_NODE)
+
+
 def heartbeat_body(beat: Beat, step: int) -> dict[str, Any]:
-    """The body a rank's heartbeat thread sends (``Runtime._beat_body``), aggregated when it covers a node."""
+    """The body a rank's heartbeat thread sends (``Runtime._beat_body``); for a node, local rank 0's
+    (``rank/nodebeat.py`` ``BeatCollector``): its own beat and every other rank's, with its age."""
     body: dict[str, Any] = {"rank": beat.ranks[0], "step": step, "state": "running"}
     if len(beat.ranks) > 1:
-        body["ranks"] = [[rank, step] for rank in beat.ranks]
+        body["tasks"] = [
+            [local, rank, step, "running", relayed_age_ms(local)]
+            for local, rank in enumerate(beat.ranks)
+            if local > 0
+        ]
     return body
 
 
@@ -225,14 +238,28 @@ class NodeBeats:
 
     ntasks: int
     state: str = "running"
-    #: control-plane sender (or rank, for an aggregated beat) -> last heard
-    heartbeats: dict[str | int, float] = field(default_factory=dict)
+    #: control-plane sender (``NODE/LOCAL``, relayed ones too) -> last heard
+    heartbeats: dict[str, float] = field(default_factory=dict)
+    #: sender -> (step, phase) of its last beat
+    phases: dict[str, tuple[int | None, str]] = field(default_factory=dict)
     last_step: int | None = None
 
-    def seen(self, key: str | int, now: float, step: int | None = None) -> None:
+    def seen(self, key: str, now: float, step: int | None = None, phase: str | None = None) -> None:
         self.heartbeats[key] = now
+        if phase is not None:
+            self.phases[key] = (step, phase)
         if step is not None and (self.last_step is None or step > self.last_step):
             self.last_step = step
+
+    def relayed(self, relay: str, tasks: list[list[Any]], now: float) -> None:
+        """``WorkerStep.relayed``: each entry heard ``age_ms`` before ``now``, unless newer news."""
+        node, _, own = relay.rpartition("/")
+        for local, _rank, step, phase, age_ms in tasks:
+            if local >= self.ntasks or str(local) == own:
+                continue
+            sender, heard = f"{node}/{local}", now - age_ms / 1000
+            if heard >= self.heartbeats.get(sender, heard):
+                self.seen(sender, heard, step, phase)
 
     def silent_for(self, now: float) -> float | None:
         """Seconds since the stalest task was heard from (None: not all heard yet)."""
@@ -246,12 +273,9 @@ def on_message(steps: dict[str, NodeBeats], sender: str, body: Any, now: float) 
     step = steps.get(sender.rsplit("/", 1)[0])
     if step is None:
         return
-    ranks = body.get("ranks")
-    if ranks is None:
-        step.seen(sender, now, body.get("step"))
-    else:  # aggregated: one entry per rank the node's beat covers
-        for rank, rank_step in ranks:
-            step.seen(rank, now, rank_step)
+    step.seen(sender, now, body.get("step"), body.get("state"))
+    if "tasks" in body:  # a per-node heartbeat: its node's other ranks, relayed
+        step.relayed(sender, body["tasks"], now)
 
 
 def silent_nodes(steps: dict[str, NodeBeats], now: float, threshold: float) -> list[str]:
@@ -664,9 +688,9 @@ def decode_costs(repeat: int = 20000) -> dict[str, float]:
     )
     for nodes in (256, 2048):
         steps = {node_name(n): NodeBeats(RANKS_PER_NODE) for n in range(nodes)}
-        for step in steps.values():
+        for name, step in steps.items():
             for k in range(RANKS_PER_NODE):
-                step.seen(k, time.time())
+                step.seen(f"{name}/{k}", time.time())
         out[f"silence check, {nodes} nodes"] = _per_call(
             lambda s=steps: silent_nodes(s, time.time(), 1.0), 200
         )

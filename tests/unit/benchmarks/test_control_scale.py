@@ -35,7 +35,8 @@ def test_beats_spread_over_the_interval_one_per_rank_or_one_per_node() -> None:
         ("n00001/0", tuple(range(8, 16))),
     ]
     body = cs.heartbeat_body(per_node[1], 5)
-    assert body == {"rank": 8, "step": 5, "state": "running", "ranks": [[r, 5] for r in range(8, 16)]}
+    assert body == {"rank": 8, "step": 5, "state": "running",
+                    "tasks": [[k, 8 + k, 5, "running", round(250 * k / 8)] for k in range(1, 8)]}
 
 
 def test_the_victim_is_local_rank_3_of_the_middle_node_or_that_node() -> None:
@@ -63,13 +64,17 @@ def test_a_node_is_silent_only_once_every_task_was_heard_and_one_went_quiet() ->
     assert set(steps) == {"n00000", "n00001"}
 
 
-def test_an_aggregated_beat_counts_for_every_rank_it_lists() -> None:
+def test_an_aggregated_beat_counts_for_every_rank_it_lists_as_the_supervisor_does() -> None:
     steps = books(2)
     beat = cs.beats_of(cs.Scenario("n", nodes=2, aggregate=True))[1]
     cs.on_message(steps, beat.sender, cs.heartbeat_body(beat, 9), 5.0)
-    assert steps["n00001"].silent_for(5.5) == 0.5
-    assert steps["n00001"].last_step == 9
+    node = steps["n00001"]
+    assert node.heartbeats == {f"n00001/{k}": 5.0 - cs.relayed_age_ms(k) / 1000 for k in range(8)}
+    assert node.silent_for(5.5) == pytest.approx(0.5 + 0.219)  # local 7's beat was 219 ms old
+    assert node.last_step == 9 and node.phases["n00001/3"] == (9, "running")
     assert steps["n00000"].silent_for(5.5) is None
+    cs.on_message(steps, beat.sender, cs.heartbeat_body(beat, 10), 4.0)  # older news: not taken
+    assert node.heartbeats["n00001/7"] == pytest.approx(4.781) and node.phases["n00001/7"] == (9, "running")
 
 
 def test_detection_is_the_victims_first_silence_after_its_last_beat() -> None:
