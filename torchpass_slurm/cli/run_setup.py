@@ -56,8 +56,14 @@ def build_supervisor(
     store = _host_store(host)
     if store is not None:
         env[cfg.ENV_STORE] = f"{host}:{store.port}"
+    config = cfg.SupervisorConfig.from_env()
     launcher = StepLauncher(
-        slurm, job_id=job_id, command=command, control_endpoint=server.endpoint, base_env=env
+        slurm,
+        job_id=job_id,
+        command=command,
+        control_endpoint=server.endpoint,
+        base_env=env,
+        heartbeat_per_node_from=config.heartbeat_per_node_from,
     )
     events = EventLog(run_dir / EVENTS_FILE, job=str(job_id), epoch=membership.epoch)
     logger.info(
@@ -67,7 +73,6 @@ def build_supervisor(
         ",".join(membership.spares) or "-",
         server.endpoint,
     )
-    config = cfg.SupervisorConfig.from_env()
     probe = NodeProbe(
         membership.active + membership.spares, port=config.probe_port, timeout=config.probe_timeout
     )
