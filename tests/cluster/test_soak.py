@@ -8,11 +8,15 @@ machine's cores, and checks that the event log holds no fault of any kind.
 
 ``TP_SOAK_SECONDS`` sets how long the training runs (default 120 s, the CI
 run); ``TP_SOAK_SECONDS=600 scripts/test tests/cluster/test_soak.py`` is the
-ten-minute soak.
+ten-minute soak. The steps are counted from the pace measured under the two
+hogs (about 0.8 s a step, checkpoints every 4 steps included), and the job
+asks Slurm for a time limit well past it: the example script's 10 minutes
+ended a 600 s soak sized by its sleep alone (1,500 steps) at step 724.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterator
 
@@ -25,6 +29,8 @@ pytestmark = pytest.mark.cluster
 
 SOAK_S = float(os.environ.get("TP_SOAK_SECONDS", "120"))
 STEP_SLEEP_S = 0.4
+#: Seconds a step takes under the two hogs (measured: 724 steps in 10 min, 2026-12-01).
+LOADED_STEP_S = 0.8
 #: Events that would mean something was declared wrong with a healthy job.
 FAULT_KINDS = {"heartbeat_lost", "rank_hung", "node_down", "migration_started", "restarted", "fenced",
                "failed", "spare_lost", "drain_seen", "health_warning"}
@@ -32,9 +38,9 @@ HOG = "exec python3 -c 'while True: pass'"
 
 
 def train_args(seconds: float) -> tuple[str, ...]:
-    """TRAIN_ARGS with as many steps as ``seconds`` of sleeping steps take."""
+    """TRAIN_ARGS with as many steps as ``seconds`` of training take on the loaded hosts."""
     args = list(TRAIN_ARGS)
-    args[args.index("--steps") + 1] = str(max(24, int(seconds / STEP_SLEEP_S)))
+    args[args.index("--steps") + 1] = str(max(24, int(seconds / LOADED_STEP_S)))
     args[args.index("--step-sleep") + 1] = str(STEP_SLEEP_S)
     return tuple(args)
 
@@ -56,7 +62,8 @@ def hog(healthy_cluster: Cluster) -> Iterator[Callable[[str], str]]:
 
 def test_loaded_hosts_raise_no_false_detection(healthy_cluster: Cluster, hog: Callable[[str], str]) -> None:
     c = healthy_cluster
-    job = submit(c, "-N", "3", "--spares", "1", train_args=train_args(SOAK_S))
+    minutes = math.ceil(SOAK_S * 4 / 60) + 2
+    job = submit(c, "-N", "3", "--spares", "1", "--time", str(minutes), train_args=train_args(SOAK_S))
     job.wait_step(1)
     loaded = [c.job_field(job.job_id, "BatchHost"), active_victim(c, job)]
     pids = {node: hog(node) for node in loaded}
