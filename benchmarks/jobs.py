@@ -124,8 +124,19 @@ def job_state(job: Job) -> str:
 
 
 def tp_progress(job: Job) -> int:
-    """The lowest committed step over the active nodes of a tp job (0 before the first)."""
-    return CLUSTER.tp_step(job.job_id)
+    """The lowest committed step over the active nodes of a tp job (0 before the first).
+
+    Read from its ``status.json`` in the shared folder, on the host: asking ``tp status`` on
+    the controller twice a second started a Python process in the cluster each time, and on
+    a 2-core host that slowed the training of every run with a fault to inject (and only
+    those) by about 10 %.
+    """
+    try:
+        status = json.loads(CLUSTER.host_path(f"{job.folder}/status.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    steps = [n.get("last_step") or 0 for n in status.get("nodes", []) if n.get("role") == "active"]
+    return min(steps) if steps else 0
 
 
 def plain_progress(job: Job) -> int:
