@@ -99,6 +99,7 @@ DRAIN_DEFERRED = "drain_deferred"  # a drained node keeps its ranks until the jo
 NODE_RELEASED = (
     "node_released"  # a drained or lost node left the job (released=true|false, reason=drained|lost)
 )
+MESH_LAYOUT = "mesh_layout"  # the device mesh the first sharded rank reported (dims=, shape=, replicate=)
 LOG_REPAIRED = "log_repaired"  # a torn line before this one was left by a crash
 
 #: Deepest nesting of lists and objects in one line (the line's own object is level 1).

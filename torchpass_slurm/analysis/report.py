@@ -45,6 +45,8 @@ The rules:
   ``migration_done.resolution`` (live | regroup | checkpoint; see torchpass_slurm.faults.Resolution) if
   present; else ``restarted`` with ``from_checkpoint`` -> checkpoint; else a
   ``failed`` event while the recovery is open -> fatal; else unresolved.
+* **Fallback.** ``migration_started.fallback``: why a recovery that could have been live
+  was a restart (``no replica``: a lost rank's every replica was lost too).
 * **Phases** (seconds), consecutive intervals between these marks::
 
       last heartbeat --detection--> detected --decision--> migration_started
@@ -150,6 +152,7 @@ class FaultRecord:
     recomputed_steps: int | None
     phases: Phases
     fault_class: str  # unplanned | pre-emptive | planned
+    fallback: str | None = None  # why its recovery was not live though it could have been
 
     def as_dict(self) -> dict[str, Any]:
         """The fault's JSON form: the time rounded to milliseconds, the phases as :meth:`Phases.as_dict`."""
@@ -165,6 +168,7 @@ class FaultRecord:
             "resolution": self.resolution,
             "lost_steps": self.lost_steps,
             "recomputed_steps": self.recomputed_steps,
+            "fallback": self.fallback,
             "phases": self.phases.as_dict(),
         }
 
@@ -437,6 +441,7 @@ def _fault(cause: _Cause, recovery: _Recovery) -> FaultRecord:
         recomputed_steps=recovery.steps("recomputed_steps"),
         phases=_phases(cause, recovery),
         fault_class=cause.fault_class,
+        fallback=str((recovery.started.fields if recovery.started else {}).get("fallback") or "") or None,
     )
 
 
@@ -487,9 +492,7 @@ def _ts(event: Event | None) -> float | None:
 
 
 def _interval(start: float | None, end: float | None) -> float | None:
-    if start is None or end is None or end < start:
-        return None
-    return end - start
+    return None if start is None or end is None or end < start else end - start
 
 
 def _round(value: float | None) -> float | None:

@@ -168,7 +168,7 @@ def fault_table(report: JobReport) -> Table:
                 fault.fault_class,
                 fault.node,
                 fault.detector,
-                fault.resolution or "unresolved",
+                (fault.resolution or "unresolved") + (f" ({fault.fallback})" if fault.fallback else ""),
                 format_steps(fault.lost_steps),
                 format_steps(fault.recomputed_steps),
                 *(

@@ -16,6 +16,7 @@ from typing import Any
 
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.errors import ControlPlaneError
+from torchpass_slurm.rank.layout import MeshLayout
 from torchpass_slurm.strenum import StrEnum
 
 __all__ = ["PromoteMode", "Promote", "Reconfigure", "Stop", "Report"]
@@ -164,6 +165,8 @@ OPTIONAL_REPORT_FIELDS: Mapping[str, tuple[type, ...]] = {
     "bytes": (int,),
     "retries": (int,),
     "error": (str,),
+    #: a sharded rank's device mesh (``MeshLayout.to_json``), in its ``live_ready``
+    "mesh": (dict,),
 }
 #: Names a report's fields may not use: the event log's own keys, and ``node``, which the
 #: supervisor sets from the sender (only the health agent's report names its node itself).
@@ -181,6 +184,12 @@ class Report:
     def epoch(self) -> int | None:
         epoch = self.fields.get("epoch")
         return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
+
+    @property
+    def mesh(self) -> MeshLayout | None:
+        """The device mesh the rank reported (checked by :meth:`from_body`), if any."""
+        value = self.fields.get("mesh")
+        return None if value is None else MeshLayout.from_json(value)
 
     def to_body(self) -> dict[str, Any]:
         return {"event": self.kind.value, "fields": dict(self.fields)}
@@ -211,4 +220,9 @@ class Report:
         clash = sorted(reserved & set(fields))
         if clash:
             raise ControlPlaneError(f"{what} has fields named {', '.join(clash)}; those names are reserved")
+        if "mesh" in fields:
+            try:  # a layout the planner cannot trust is no layout: the whole report is refused
+                MeshLayout.from_json(fields["mesh"])
+            except (ValueError, TypeError) as exc:  # TypeError: an unhashable dimension name
+                raise ControlPlaneError(f"{what} field 'mesh' is not a mesh layout: {exc}") from None
         return cls(kind, dict(fields))

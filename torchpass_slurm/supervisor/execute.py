@@ -235,6 +235,7 @@ class Executor:
     def _migration_started(self, plan: Plan, committed: int | None) -> None:
         """``migration_started`` of a recovery from lost nodes: live, restart, restart in place."""
         failed = plan.lost_nodes
+        why: dict[str, Any] = {"fallback": plan.fallback, "detail": plan.detail} if plan.fallback else {}
         self.events.append(
             ev.MIGRATION_STARTED,
             failed=failed,
@@ -242,7 +243,10 @@ class Executor:
             last_heartbeat=self.job.last_heartbeat(failed),
             committed_step=committed,
             mode=plan.action.recovery,
+            **why,
         )
+        if plan.fallback:
+            logger.warning("not live: %s", plan.detail)
 
     def _relaunch(self, relaunch: list[str], plan: Plan, committed: int | None, **restarted: Any) -> None:
         """Stop and relaunch ``relaunch`` in the new epoch, promote the spares; all resume."""

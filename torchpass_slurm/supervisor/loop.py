@@ -39,6 +39,7 @@ from torchpass_slurm.supervisor.completion import Completion
 from torchpass_slurm.supervisor.detect import Detectors
 from torchpass_slurm.supervisor.execute import Executor
 from torchpass_slurm.supervisor.membership import Membership
+from torchpass_slurm.supervisor.mesh import accept_mesh
 from torchpass_slurm.supervisor.plan import Policy, WorkerFacts, plan_recovery
 from torchpass_slurm.supervisor.probe import Probe
 from torchpass_slurm.supervisor.state import Clock, JobState, RunResult, RunState
@@ -194,6 +195,7 @@ class Supervisor:
             has_store=bool(self.store[1]),
             batch_host=self.batch_host,
             in_place_restarts=job.in_place_restarts,
+            layout=job.layout,
         )
         plan = plan_recovery(faults, job.membership, workers, policy)
         logger.info("plan: %s for %s", plan.action, ", ".join(f"{f.detector} on {f.node}" for f in faults))
@@ -286,6 +288,8 @@ class Supervisor:
         fields = {k: v for k, v in report.fields.items() if k not in ("ts", "kind", "job")}
         kind = report.kind
         if kind == ReportKind.LIVE_READY:
+            if not accept_mesh(self.job, self.events, node, report):
+                return  # refused whole: a rank whose mesh the planner cannot trust is not live
             step.live = True
         elif kind == ReportKind.COLLECTIVE_FAILED:
             # only a failure in the job's current epoch is news; an older one is being recovered

@@ -7,7 +7,10 @@ carries the plan out. The decision, for the faults of one detection::
     fault class    the node is      and                                       plan
     unplanned      a spare          -                                         drop the spare
     unplanned      active           every survivor on the elastic loop,       live migration
-                                    a store, --recovery live, a spare each
+                                    a store, --recovery live, a spare each,
+                                    a surviving replica of every lost rank
+    unplanned      active           as above, but a lost rank's every         restart on spares
+                                    replica lost too (pure FSDP: always)      (fallback "no replica")
     unplanned      active           enough spares (else: the lost steps       restart on spares
                                     were crashes on nodes Slurm calls usable)  (restart in place)
     unplanned      active           no spare, a node dead, or too many        give up
@@ -23,6 +26,10 @@ carries the plan out. The decision, for the faults of one detection::
 
 A spare lost together with an active node is dropped by the same plan. A
 plan that changes the membership moves it to the next epoch, once.
+
+Replicas come from the job's device mesh (:class:`~torchpass_slurm.rank.layout.MeshLayout`,
+reported by sharded ranks; DDP is the mesh ``("replicate",)`` of the world). A planned or
+pre-emptive move stays live on every mesh: the leaving rank is alive and sends its own shards.
 """
 
 from __future__ import annotations
@@ -39,13 +46,16 @@ from torchpass_slurm.faults import (
     Recovery,
     RecoveryPolicy,
 )
+from torchpass_slurm.rank.layout import MeshLayout
 from torchpass_slurm.strenum import StrEnum
 from torchpass_slurm.supervisor.membership import Membership
 
-__all__ = ["Action", "Plan", "Policy", "WorkerFacts", "plan_recovery"]
+__all__ = ["Action", "Plan", "Policy", "WorkerFacts", "plan_recovery", "NO_REPLICA"]
 
 #: With no spare left, how often a job may restart in place (a crash that repeats is a bug).
 MAX_IN_PLACE_RESTARTS = 3
+#: The fallback of a live migration that could not be: a lost rank's state exists nowhere else.
+NO_REPLICA = "no replica"
 
 
 class Action(StrEnum):
@@ -95,6 +105,15 @@ class Policy:
     #: in-place restarts done so far
     in_place_restarts: int = 0
     max_in_place_restarts: int = MAX_IN_PLACE_RESTARTS
+    #: the job's device mesh (None: DDP, every rank a replica of every other)
+    layout: MeshLayout | None = None
+
+    def mesh(self, world_size: int) -> MeshLayout:
+        """The job's mesh; DDP over ``world_size`` when none fits (none was reported)."""
+        layout = self.layout
+        return (
+            layout if layout is not None and layout.world_size == world_size else MeshLayout.ddp(world_size)
+        )
 
 
 @dataclass(frozen=True)
@@ -118,6 +137,8 @@ class Plan:
     release: tuple[str, ...] = ()
     detail: str = ""
     exit_code: int = 1
+    #: why a recovery that could have been live is not (:data:`NO_REPLICA`), else ""
+    fallback: str = ""
 
     @property
     def lost_nodes(self) -> list[str]:
@@ -191,7 +212,15 @@ def _plan_unplanned(
     nodes = [f.node for f in lost]
     if len(after_drop.spares) >= len(lost):
         live = can_migrate_live(nodes, after_drop, workers, policy)
-        return _onto_spares(base, Action.LIVE if live else Action.RESTART, after_drop, nodes)
+        orphans = _without_replica(nodes, membership, policy) if live else []
+        if orphans:
+            base = dataclasses.replace(
+                base,
+                fallback=NO_REPLICA,
+                detail=f"{NO_REPLICA}: rank(s) {', '.join(map(str, orphans))} lost with every replica "
+                "of their state; restarting from the checkpoint",
+            )
+        return _onto_spares(base, Action.LIVE if live and not orphans else Action.RESTART, after_drop, nodes)
     first = lost[len(after_drop.spares)]  # the first loss no spare is left for
     crashed = all(
         f.detector == Detector.STEP_EXITED and workers.get(f.node, WorkerFacts()).usable for f in lost
@@ -208,6 +237,12 @@ def _plan_unplanned(
     else:
         detail = f"{first.detail}; no hot spare left, the job cannot continue (submit with more --spares)"
     return dataclasses.replace(base, action=Action.GIVE_UP, detail=detail, exit_code=first.exit_code or 1)
+
+
+def _without_replica(lost: Sequence[str], membership: Membership, policy: Policy) -> list[int]:
+    """The lost nodes' ranks that no surviving rank holds a replica of (by the job's mesh)."""
+    ranks = [r for node in lost for r in membership.ranks_of(node)]
+    return policy.mesh(membership.world_size).without_replica(ranks)
 
 
 def _plan_stalled(base: Plan, fault: Fault, policy: Policy) -> Plan:

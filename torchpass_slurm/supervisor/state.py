@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torchpass_slurm.faults import Resolution
+from torchpass_slurm.rank.layout import MeshLayout
 from torchpass_slurm.strenum import StrEnum
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.progress import Progress
@@ -75,6 +76,8 @@ class JobState:
     message: str = ""
     #: the training's pace, from the highest step heartbeats carry
     progress: Progress = field(default_factory=Progress)
+    #: the device mesh the ranks reported (None: none did, the job is DDP over the world)
+    layout: MeshLayout | None = None
 
     def live_steps(self) -> dict[str, WorkerStep]:
         """Steps still worth watching: not stopped, not ended, not lost."""

@@ -115,7 +115,7 @@ def test_json_of_one_job(job_log: Any) -> None:
     assert document["faults"][1] == {
         "index": 2, "class": "unplanned", "time": 1741064807.0, "node": "n3", "kind": "node_down", "detector": "node_down",
         "detail": "n3 failed", "exit_code": None, "recovery": 2, "resolution": "live", "lost_steps": 0,
-        "recomputed_steps": 3,
+        "recomputed_steps": 3, "fallback": None,
         "phases": {"detection": 2.0, "decision": 0.25, "rebuild": 0.75, "agreement": 0.25, "transfer": 1.0,
                    "first_step": 0.5, "total": 2.75},
     }
@@ -185,3 +185,19 @@ def test_listed_in_tp_help() -> None:
     code, out, _ = tp("--help")
     assert code == 0
     assert "report    Show a job's faults, how each was resolved, the recovery times." in out
+
+
+def test_a_restart_for_want_of_a_replica_says_so_after_its_resolution(job_log: Any) -> None:
+    log = job_log()
+    log.started(["n1", "n2"], ["s1"])
+    log.at(10.0, "heartbeat_lost", node="n2", role="active", detector="heartbeat_lost", detail="n2 silent")
+    log.log.epoch = 1
+    log.at(10.25, "migration_started", failed=["n2"], spares=["s1"], last_heartbeat=None, committed_step=3,
+           mode="restart", fallback="no replica", detail="no replica: rank(s) 1 lost with every replica")
+    log.at(10.5, "restarted", restarts=1, active=["n1", "s1"], spares=[], from_checkpoint=True)
+    log.at(30.0, "finished", exit_code=0, message="training done", restarts=1)
+    code, out, err = tp("report", str(log.run_dir))
+    assert (code, err) == (0, "")
+    assert "heartbeat_lost   checkpoint (no replica)   unknown" in out
+    fault, = json.loads(tp("report", str(log.run_dir), "--json").out)["faults"]
+    assert (fault["resolution"], fault["fallback"]) == ("checkpoint", "no replica")

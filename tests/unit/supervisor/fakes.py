@@ -482,6 +482,9 @@ class ElasticRanks:
         self.delay = delay
         self.agreed_lag = agreed_lag
         self.stall: set[int] = set()
+        #: the ``mesh`` field of every live_ready (a sharded trainer's layout); per node in ``mesh_of``
+        self.mesh: Any = None
+        self.mesh_of: dict[str, Any] = {}
         self._world_size: dict[int, int] = {}
         self._joined: dict[int, dict[str, tuple[SimStep, int]]] = {}
         self._live_spares: dict[str, int] = {}  # node -> epoch of its promote mode=live
@@ -513,8 +516,10 @@ class ElasticRanks:
     def _greeted(self, sim: SimStep) -> None:
         if sim.role != "active" or not self._elastic(sim.node):
             return
+        mesh = self.mesh_of.get(sim.node, self.mesh)
+        extra = {} if mesh is None else {"mesh": mesh}
         for sender in sim.peers:
-            self.world.send_report(sim, sender, ReportKind.LIVE_READY, step=0, epoch=sim.epoch)
+            self.world.send_report(sim, sender, ReportKind.LIVE_READY, step=0, epoch=sim.epoch, **extra)
         epoch = self._live_spares.pop(sim.node, None)
         if epoch is not None:
             for sender in sim.peers:
