@@ -20,6 +20,7 @@ next, and are rendered once, at the command-line boundary
     ├── CheckpointError            exit 5   a checkpoint could not be written or read
     ├── TransferError              exit 6   a state transfer failed (peer gone, corrupt data, bad manifest)
     │   └── TransferTimeout                 one transport call did not finish within its timeout
+    ├── NoReplicaError             exit 6   a sharded rank is behind and no rank holds its shard: restart
     ├── CollectiveError            exit 1   a data-plane collective failed (a peer died); the loop recovers
     │   └── RendezvousTimeout               not every rank arrived at an epoch's rendezvous in time
     ├── SourceError                exit 3   a health check's device library failed (not the node)
@@ -53,6 +54,7 @@ __all__ = [
     "CheckpointError",
     "TransferError",
     "TransferTimeout",
+    "NoReplicaError",
     "CollectiveError",
     "RendezvousTimeout",
     "SourceError",
@@ -152,6 +154,19 @@ class TransferError(TorchpassError):
 
 class TransferTimeout(TransferError):
     """A transport call did not complete within its ``timeout``."""
+
+
+class NoReplicaError(TorchpassError):
+    """A rank of a sharded job is behind and no rank holds its shard at the agreed step.
+
+    Pure FSDP (no replicate dimension) after an unplanned loss, or a shard whose every
+    replica was lost: the state exists nowhere, so a live migration cannot restore it. Not
+    a failed collective, so the elastic loop does not wait for another epoch; the job
+    restarts from its newest checkpoint (the supervisor plans that before the ranks see it;
+    this is the ranks' last line of defence).
+    """
+
+    exit_code = 6
 
 
 class CollectiveError(TorchpassError):

@@ -34,7 +34,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -249,6 +249,7 @@ def recv_state(
     into: Mapping[Any, Any] | None = None,
     progress: ReceiveProgress | None = None,
     max_alloc_bytes: int | None = None,
+    accept: Callable[[Manifest], None] | None = None,
 ) -> tuple[dict[Any, Any], TransferStats]:
     """Receive a state from the donor at the other end of ``transport``.
 
@@ -258,13 +259,16 @@ def recv_state(
     ``into``), or the manifest is refused before anything is allocated. With
     ``progress`` from a failed attempt, a donor holding the same state
     continues where the last one stopped. Returns the state (a dict) and the
-    stats of this call. A manifest refused for any reason is answered with
-    "rejected" (the donor raises) and raises TransferError here.
+    stats of this call. ``accept`` judges the parsed manifest (its ``meta``,
+    its entries) before anything is allocated or written; it raises
+    TransferError to refuse it (a sharded receiver checks the donor's shard
+    metadata against its own mesh this way). A manifest refused for any reason
+    is answered with "rejected" (the donor raises) and raises TransferError here.
     """
     began = time.monotonic()
     progress = progress if progress is not None else ReceiveProgress()
     limit = alloc_limit(into) if max_alloc_bytes is None else max_alloc_bytes
-    manifest, raw_len = _recv_manifest(transport, timeout, progress, into, limit)
+    manifest, raw_len = _recv_manifest(transport, timeout, progress, into, limit, accept)
     start = progress.received
     send_ints(transport, [start], timeout)
     stats = TransferStats(resumed_from=start, manifest_bytes=raw_len)
@@ -306,6 +310,7 @@ def _recv_manifest(
     progress: ReceiveProgress,
     into: Mapping[Any, Any] | None,
     limit: int,
+    accept: Callable[[Manifest], None] | None = None,
 ) -> tuple[Manifest, int]:
     """Read header + manifest, set up ``progress`` (resume or restart); reject politely on errors."""
     import hashlib
@@ -328,7 +333,7 @@ def _recv_manifest(
     data = bytes(raw.numpy())
     digest = hashlib.sha256(data).hexdigest()
     try:
-        manifest = _decode_manifest(data, digest, progress, into, limit)
+        manifest = _decode_manifest(data, digest, progress, into, limit, accept)
     except TransferError:
         _reject(transport, timeout)
         raise
@@ -349,11 +354,18 @@ _DECODE_ERRORS = (
 
 
 def _decode_manifest(
-    data: bytes, digest: str, progress: ReceiveProgress, into: Mapping[Any, Any] | None, limit: int
+    data: bytes,
+    digest: str,
+    progress: ReceiveProgress,
+    into: Mapping[Any, Any] | None,
+    limit: int,
+    accept: Callable[[Manifest], None] | None = None,
 ) -> Manifest:
-    """Parse, bound and (unless resuming) materialize; every failure is a TransferError."""
+    """Parse, judge (``accept``), bound and (unless resuming) materialize; each failure a TransferError."""
     try:
         manifest = Manifest.from_json(data)
+        if accept is not None:
+            accept(manifest)
         if progress.manifest_digest == digest:
             logger.info(
                 "resuming a state transfer at chunk %d of %d (%d bad to resend)",
