@@ -32,17 +32,72 @@ from typing import Any, TypeVar
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER_DIR = ROOT / "docker"
 COMPOSE_FILE = DOCKER_DIR / "compose.yml"
-PROJECT = "torchpass"
 CONTROLLER = "ctl"
 COMPUTE = ("c1", "c2", "c3", "c4", "c5")
 NODES = (CONTROLLER,) + COMPUTE
-BASE_IMAGE = "debian:trixie"
 
-IMAGE = os.environ.get("TP_CLUSTER_IMAGE", "torchpass-slurm-node:dev")
-NETWORK = os.environ.get("TP_CLUSTER_NETWORK", "torchpass-net")
-NET_PREFIX = os.environ.get("TP_CLUSTER_NET_PREFIX", "172.29.77")
-SHARED = Path(os.environ.get("TP_CLUSTER_SHARED", ROOT / ".cluster" / "shared")).resolve()
+
+@dataclass(frozen=True)
+class Flavor:
+    """One kind of dev cluster: its Debian release, images, names and network.
+
+    ``trixie`` (the default): Slurm 24.11, Debian's torch 2.6, Open MPI. ``bookworm``:
+    Slurm 22.05 (the oldest Slurm the project supports) with torch 2.13 (CPU), MPICH 5
+    and mpi4py 4.1 from a wheelhouse the host's pip fills (``wheels``, a requirements file
+    under docker/): Debian's torch 2.6 cannot run FSDP2 (design.md, 1b). The two differ in
+    every name, address and folder, so both can be up at once.
+    """
+
+    name: str
+    suite: str
+    project: str
+    image: str
+    network: str
+    net_prefix: str
+    shared: str
+    wheels: str | None = None
+    #: cgroup.conf of the nodes, relative to docker/
+    cgroup_conf: str = "cgroup.conf"
+
+    @property
+    def base_image(self) -> str:
+        return f"debian:{self.suite}"
+
+    @property
+    def system_image(self) -> str:
+        return f"torchpass-slurm-system:{self.name}"
+
+    @property
+    def system_dockerfile(self) -> Path:
+        return DOCKER_DIR / self.name / "Dockerfile.system"
+
+    @property
+    def wheelhouse(self) -> Path:
+        return ROOT / ".cluster" / "wheels" / self.name
+
+
+FLAVORS = {
+    "trixie": Flavor("trixie", "trixie", "torchpass", "torchpass-slurm-node:dev", "torchpass-net",
+                     "172.29.77", "shared"),
+    "bookworm": Flavor("bookworm", "bookworm", "torchpass-bw", "torchpass-slurm-node:bookworm",
+                       "torchpass-bw-net", "172.29.78", "shared-bookworm",
+                       wheels="bookworm/wheels.txt", cgroup_conf="bookworm/cgroup.conf"),
+}
+_flavor_name = os.environ.get("TP_CLUSTER_FLAVOR", "trixie")
+if _flavor_name not in FLAVORS:
+    sys.exit(f"TP_CLUSTER_FLAVOR={_flavor_name!r} is not a cluster flavor; "
+             f"valid: {', '.join(FLAVORS)}")
+FLAVOR = FLAVORS[_flavor_name]
+PROJECT = FLAVOR.project
+BASE_IMAGE = FLAVOR.base_image
+
+IMAGE = os.environ.get("TP_CLUSTER_IMAGE", FLAVOR.image)
+NETWORK = os.environ.get("TP_CLUSTER_NETWORK", FLAVOR.network)
+NET_PREFIX = os.environ.get("TP_CLUSTER_NET_PREFIX", FLAVOR.net_prefix)
+SHARED = Path(os.environ.get("TP_CLUSTER_SHARED", ROOT / ".cluster" / FLAVOR.shared)).resolve()
 MIRROR = os.environ.get("TP_CLUSTER_BASE_MIRROR", "http://deb.debian.org/debian")
+#: The host's pip, which fills a flavor's wheelhouse (PIP, else the project's .venv, else python3's).
+PIP = os.environ.get("TP_CLUSTER_PIP", "")
 
 #: How long `up` waits for every compute node to be idle (seconds).
 UP_TIMEOUT_S = 240.0
@@ -126,7 +181,8 @@ def compose_cmd() -> list[str]:
 
 def compose(*args: str, timeout: float = DOCKER_TIMEOUT_S) -> subprocess.CompletedProcess:
     env = dict(os.environ, TP_CLUSTER_IMAGE=IMAGE, TP_CLUSTER_NETWORK=NETWORK,
-               TP_CLUSTER_NET_PREFIX=NET_PREFIX, TP_CLUSTER_SHARED=str(SHARED))
+               TP_CLUSTER_NET_PREFIX=NET_PREFIX, TP_CLUSTER_SHARED=str(SHARED),
+               TP_CLUSTER_PROJECT=PROJECT, TP_CLUSTER_CGROUP_CONF=f"./{FLAVOR.cgroup_conf}")
     argv = compose_cmd() + ["-p", PROJECT, "-f", str(COMPOSE_FILE), *args]
     return command(argv, timeout=timeout, env=env)
 
@@ -136,7 +192,7 @@ def image_exists(name: str) -> bool:
 
 
 def ensure_base_image() -> None:
-    """debian:trixie: present, else pulled, else built with debootstrap (air-gapped)."""
+    """debian:<suite>: present, else pulled, else built with debootstrap (air-gapped)."""
     if image_exists(BASE_IMAGE):
         return
     log(f"{BASE_IMAGE} not present; trying docker pull")
@@ -146,9 +202,9 @@ def ensure_base_image() -> None:
         raise ClusterError(f"{BASE_IMAGE} can be neither found nor pulled, and debootstrap is "
                            "not installed to build it (apt-get install debootstrap)")
     log(f"building {BASE_IMAGE} with debootstrap from {MIRROR} (about a minute)")
-    with tempfile.TemporaryDirectory(prefix="tp-trixie-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"tp-{FLAVOR.suite}-") as tmp:
         rootfs = Path(tmp) / "rootfs"
-        command(["debootstrap", "--variant=minbase", "trixie", str(rootfs), MIRROR],
+        command(["debootstrap", "--variant=minbase", FLAVOR.suite, str(rootfs), MIRROR],
                 timeout=1200)
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
         try:
@@ -163,13 +219,65 @@ def ensure_base_image() -> None:
     log(f"{BASE_IMAGE} built")
 
 
+def pip_command() -> list[str]:
+    if PIP:
+        return [PIP]
+    venv_pip = ROOT / ".venv" / "bin" / "pip"
+    return [str(venv_pip)] if venv_pip.exists() else [sys.executable, "-m", "pip"]
+
+
+def ensure_wheelhouse() -> Path | None:
+    """The flavor's wheels, downloaded by the host's pip (containers here cannot reach PyPI):
+    CPython 3.11 manylinux x86_64 wheels of FLAVOR.wheels, kept in .cluster/wheels/<flavor>."""
+    if FLAVOR.wheels is None:
+        return None
+    requirements = DOCKER_DIR / FLAVOR.wheels
+    house = FLAVOR.wheelhouse
+    house.mkdir(parents=True, exist_ok=True)
+    stamp = house / "wheels.txt"
+    if stamp.exists() and stamp.read_text() == requirements.read_text():
+        return house
+    log(f"downloading the wheels of {requirements.relative_to(ROOT)} into {house} "
+        "(about 230 MB the first time)")
+    platforms = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                 "manylinux_2_5_x86_64", "manylinux1_x86_64", "linux_x86_64"]
+    binary, source = [], []
+    for line in requirements.read_text().splitlines():
+        req = line.split("#", 1)[0].strip()
+        if req:
+            (source if line.rstrip().endswith("# pure Python, sdist only") else binary).append(req)
+    command([*pip_command(), "download", "-q", "--only-binary=:all:", "--python-version", "3.11",
+             "--implementation", "cp", *(f"--platform={p}" for p in platforms),
+             "-d", str(house), *binary], timeout=BUILD_TIMEOUT_S)
+    if source:  # built here into a py3-none-any wheel, which any Python 3 installs
+        command([*pip_command(), "wheel", "-q", "--no-deps", "-w", str(house), *source],
+                timeout=BUILD_TIMEOUT_S)
+    shutil.copyfile(requirements, stamp)
+    return house
+
+
+def build_system_image() -> None:
+    """The flavor's system layer (Slurm, Python, torch, MPI), from its own small context:
+    the wheelhouse, or nothing. Docker's cache makes an unchanged one a matter of seconds."""
+    house = ensure_wheelhouse()
+    with tempfile.TemporaryDirectory(prefix="tp-context-") as empty:
+        context = str(house) if house is not None else empty
+        proc = command(["docker", "build", "-q", "-f", str(FLAVOR.system_dockerfile),
+                        "-t", FLAVOR.system_image, context], timeout=BUILD_TIMEOUT_S, check=False)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise ClusterError(f"building {FLAVOR.system_image} failed (output above)")
+
+
 def build() -> None:
-    """The node image (and the base image first, when missing)."""
+    """The node image: the base image first when missing, the system layer, then the project."""
     require_docker()
     ensure_base_image()
     log(f"building {IMAGE} (the first build takes a few minutes; later ones seconds)")
     started = time.monotonic()
-    proc = command(["docker", "build", "-q", "-f", str(DOCKER_DIR / "Dockerfile"), "-t", IMAGE,
+    build_system_image()
+    proc = command(["docker", "build", "-q", "-f", str(DOCKER_DIR / "Dockerfile"),
+                    "--build-arg", f"SYSTEM_IMAGE={FLAVOR.system_image}", "-t", IMAGE,
                     str(ROOT)], timeout=BUILD_TIMEOUT_S, check=False)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
