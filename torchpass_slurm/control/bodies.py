@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchpass_slurm.control.messages import ReportKind
+from torchpass_slurm.control.rankstate import check_copies
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.rank.layout import MeshLayout
 from torchpass_slurm.strenum import StrEnum
@@ -38,7 +39,11 @@ def _field(body: Mapping[str, Any], name: str, kind: type, what: str) -> Any:
 
 @dataclass(frozen=True)
 class Promote:
-    """Supervisor -> a spare's task: take global rank ``rank`` in ``epoch``."""
+    """Supervisor -> a spare's task: take global rank ``rank`` in ``epoch``.
+
+    ``rank_state``: a live promotion's last copies of the rank's own state (its data
+    loader position), as ``(step tag, state)``, oldest first (``control/rankstate.py``).
+    """
 
     rank: int
     local_rank: int
@@ -49,8 +54,12 @@ class Promote:
     mode: PromoteMode
     store_addr: str = ""
     store_port: int = 0
+    rank_state: tuple[tuple[int, Mapping[str, Any]], ...] = ()
 
     def to_body(self) -> dict[str, Any]:
+        copies = (
+            {"rank_state": [[tag, dict(state)] for tag, state in self.rank_state]} if self.rank_state else {}
+        )
         return {
             "rank": self.rank,
             "local_rank": self.local_rank,
@@ -61,6 +70,7 @@ class Promote:
             "mode": self.mode.value,
             "store_addr": self.store_addr,
             "store_port": self.store_port,
+            **copies,
         }
 
     @classmethod
@@ -81,6 +91,7 @@ class Promote:
             mode=mode,
             store_addr=str(body.get("store_addr") or ""),
             store_port=int(body.get("store_port") or 0),
+            rank_state=tuple(check_copies(body["rank_state"])) if "rank_state" in body else (),
             **ints,
         )
 
@@ -153,6 +164,7 @@ REPORT_FIELDS: Mapping[ReportKind, Mapping[str, type]] = {
     ReportKind.TRANSFER_DONE: {"epoch": int},
     ReportKind.RELEASED: {"epoch": int},
     ReportKind.HEALTH_WARNING: {"status": str, "summary": str},
+    ReportKind.RANK_STATE_MISSING: {"step": int, "epoch": int},
 }
 #: Fields any report may carry, with their types when present. Every field of a report
 #: may end up in the event log, and the log's readers rely on these types.

@@ -22,6 +22,9 @@ class Kind(StrEnum):
     BYE = "bye"
     #: a rank reports a fact for the event log or a failed collective (body: event, fields)
     REPORT = "report"
+    #: a copy of the state that belongs to this rank, valid once step ``step`` commits
+    #: (body: rank, step, state; ``control/rankstate.py``)
+    RANK_STATE = "rank_state"
     # supervisor -> worker
     PROMOTE = "promote"
     STOP = "stop"
@@ -52,3 +55,6 @@ class ReportKind(StrEnum):
     RESUMED = "resumed"
     #: the node's in-job health agent saw WARNING or CRITICAL (status=, summary=)
     HEALTH_WARNING = "health_warning"
+    #: a rank that took over found no copy of its rank state tagged with the agreed step
+    #: (step=, tags=); it stops rather than load a wrong one
+    RANK_STATE_MISSING = "rank_state_missing"

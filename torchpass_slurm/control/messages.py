@@ -46,7 +46,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
-from torchpass_slurm.control import jsonsafe
+from torchpass_slurm.control import jsonsafe, rankstate
 from torchpass_slurm.control.kinds import Kind, ReportKind
 from torchpass_slurm.control.refusals import RefusalLog, cause_of
 from torchpass_slurm.errors import AuthenticationError, ControlPlaneError
@@ -64,6 +64,7 @@ __all__ = [
     "STOP",
     "REPORT",
     "RECONFIGURE",
+    "RANK_STATE",
     "ACK",
     "WORKER_KINDS",
     "SUPERVISOR_KINDS",
@@ -88,10 +89,11 @@ __all__ = [
 
 
 HELLO, HEARTBEAT, STANDBY, BYE, REPORT = (Kind.HELLO, Kind.HEARTBEAT, Kind.STANDBY, Kind.BYE, Kind.REPORT)
+RANK_STATE = Kind.RANK_STATE
 PROMOTE, STOP, RECONFIGURE, ACK = Kind.PROMOTE, Kind.STOP, Kind.RECONFIGURE, Kind.ACK
 
 #: Kinds a worker may send (the supervisor accepts only these).
-WORKER_KINDS: frozenset[str] = frozenset({HELLO, HEARTBEAT, STANDBY, BYE, REPORT, ACK})
+WORKER_KINDS: frozenset[str] = frozenset({HELLO, HEARTBEAT, STANDBY, BYE, REPORT, RANK_STATE, ACK})
 #: Kinds the supervisor may send (a worker accepts only these).
 SUPERVISOR_KINDS: frozenset[str] = frozenset({PROMOTE, STOP, RECONFIGURE, ACK})
 ALL_KINDS: frozenset[str] = WORKER_KINDS | SUPERVISOR_KINDS
@@ -135,6 +137,7 @@ BODY_SCHEMAS: Mapping[str, Mapping[str, tuple[type, ...]]] = {
     STANDBY: {"node": _STR, "local_rank": _INT},
     BYE: {},
     REPORT: {"event": _STR, "fields": (dict,)},
+    RANK_STATE: {"rank": _INT, "step": _INT, "state": (dict,)},
     PROMOTE: {
         "rank": _INT,
         "local_rank": _INT,
@@ -434,6 +437,10 @@ def _check_body(kind: str, body: object) -> None:
             )
     if kind == HEARTBEAT and "tasks" in body:
         _check_tasks(body["tasks"])
+    elif kind == RANK_STATE:
+        rankstate.check_copy(body["step"], body["state"], f"'rank_state' of rank {body['rank']}")
+    elif kind == PROMOTE and "rank_state" in body:
+        rankstate.check_copies(body["rank_state"], "'promote' body field 'rank_state'")
 
 
 def _check_tasks(tasks: object) -> None:

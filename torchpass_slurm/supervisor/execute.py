@@ -187,7 +187,10 @@ class Executor:
         self.orders.reconfigure(
             list(old.active), leave=tuple(old.ranks_of(fault.node)), switch_after=switch_after
         )
-        self.orders.promote(spare, PromoteMode.LIVE)
+        leaving = old.ranks_of(fault.node)  # with rank state, their copy of the switch step comes first
+        self.job.rank_states.leaving(fault.node, leaving)
+        after = (fault.node, leaving) if self.job.rank_states.holds(leaving) else None
+        self.orders.promote(spare, PromoteMode.LIVE, after=after)
         self.job.state = RunState.RECOVERING
 
     def _regroup(self, plan: Plan) -> None:

@@ -63,6 +63,7 @@ RANK_EVENTS = frozenset(
         ReportKind.TRANSFER_DONE,
         ReportKind.FIRST_STEP,
         ReportKind.RELEASED,
+        ReportKind.RANK_STATE_MISSING,
     }
 )
 
@@ -270,6 +271,8 @@ class Supervisor:
             step.seen(message.sender, now, body.get("step"), body.get("state"))
             if "tasks" in body:  # a per-node heartbeat: its node's other tasks, relayed
                 step.relayed(message.sender, body["tasks"], now)
+        elif message.kind == Kind.RANK_STATE:
+            self.job.rank_states.accept(self.job.membership, node, message.sender, body)
         elif message.kind == Kind.BYE:
             step.said_bye.add(message.sender)  # it stops beating; its step's exit says the rest
         elif message.kind == Kind.REPORT:
@@ -301,6 +304,8 @@ class Supervisor:
                 self.completion.agreed(report.epoch, int(fields["committed_step"]))
             elif kind == ReportKind.FIRST_STEP:
                 self.completion.first_step(fields)
+            elif kind == ReportKind.RELEASED:
+                self.executor.orders.released(fields.get("rank"))
         elif kind == ReportKind.RESUMED:
             self.completion.resumed(fields)
         elif kind == ReportKind.HEALTH_WARNING:

@@ -5,6 +5,12 @@ effort: a worker that is gone is found by the detectors, not here. A
 promotion is sent once every task of the spare's step said ``standby`` (at
 once if they had), or when its step ended, or after ``startup_timeout``; the
 loop calls :meth:`Orders.advance` on every pass, so nothing waits.
+
+A live promotion carries the last copies of the rank state of the ranks the spare takes
+(:class:`~.rankstates.RankStates`). In a planned move the leaving ranks keep training up to
+the switch, so their copy of the switch step arrives after the plan: the promotion then
+also waits for their ``released`` (sent after that copy, on the same connection), or for
+the end of their step.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ class _Promotion:
 
     mode: PromoteMode
     deadline: float
+    #: a planned move with rank state: the leaving node and its ranks, whose ``released`` comes first
+    leaving: tuple[str, frozenset[int]] | None = None
 
 
 class Orders:
@@ -52,12 +60,20 @@ class Orders:
         self.clock = clock
         self.store_addr, self.store_port = store
         self._promotions: dict[str, _Promotion] = {}
+        self._released: set[int] = set()
 
-    def promote(self, node: str, mode: PromoteMode) -> None:
-        """Promote the spare once its step is on standby (now, if it already is)."""
+    def promote(self, node: str, mode: PromoteMode, *, after: tuple[str, range] | None = None) -> None:
+        """Promote the spare once its step is on standby (now, if it already is); ``after``: a
+        leaving node and its ranks, whose ``released`` the promotion waits for too."""
         deadline = self.clock.monotonic() + self.config.startup_timeout
-        self._promotions[node] = _Promotion(mode, deadline)
+        leaving = None if after is None else (after[0], frozenset(after[1]))
+        self._promotions[node] = _Promotion(mode, deadline, leaving)
         self.advance()
+
+    def released(self, rank: object) -> None:
+        """A rank of a drained node handed over and left (its last rank-state copy is here)."""
+        if isinstance(rank, int):
+            self._released.add(rank)
 
     def cancel(self, node: str) -> None:
         """Forget a promotion that waits for ``node`` (its step was lost)."""
@@ -68,9 +84,18 @@ class Orders:
         now = self.clock.monotonic()
         for node, pending in list(self._promotions.items()):
             step = self.job.steps[node]
+            if not self._left(pending.leaving) and step.poll() is None:
+                continue
             if step.all_standby() or step.poll() is not None or now >= pending.deadline:
                 del self._promotions[node]
                 self._send_promote(node, pending.mode)
+
+    def _left(self, leaving: tuple[str, frozenset[int]] | None) -> bool:
+        if leaving is None:
+            return True
+        step = self.job.steps[leaving[0]]
+        gone = step.poll() is not None or step.state in (WorkerState.LOST, WorkerState.EXITED)
+        return gone or leaving[1] <= self._released
 
     def _send_promote(self, node: str, mode: PromoteMode) -> None:
         """Tell the spare's standby tasks their ranks; its step starts as an active one."""
@@ -81,8 +106,9 @@ class Orders:
         step.started = self.clock.time()
         for sender in sorted(step.standby_senders):
             local = int(sender.rsplit("/", 1)[1])
+            rank = m.rank_base(node) + local
             body = Promote(
-                rank=m.rank_base(node) + local,
+                rank=rank,
                 local_rank=local,
                 world_size=m.world_size,
                 master_addr=m.node_of_rank(0),
@@ -91,6 +117,7 @@ class Orders:
                 mode=mode,
                 store_addr=self.store_addr,
                 store_port=self.store_port,
+                rank_state=self.job.rank_states.copies(rank) if mode == PromoteMode.LIVE else (),
             )
             self.send(sender, Kind.PROMOTE, body.to_body())
 

@@ -15,6 +15,7 @@ from torchpass_slurm.rank.layout import MeshLayout
 from torchpass_slurm.strenum import StrEnum
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.progress import Progress
+from torchpass_slurm.supervisor.rankstates import RankStates
 from torchpass_slurm.supervisor.workers import Clock, WorkerState, WorkerStep
 
 __all__ = ["Clock", "RunState", "RunResult", "Migration", "JobState"]
@@ -78,6 +79,8 @@ class JobState:
     progress: Progress = field(default_factory=Progress)
     #: the device mesh the ranks reported (None: none did, the job is DDP over the world)
     layout: MeshLayout | None = None
+    #: the last copies of each logical rank's own state, for the spare that takes it
+    rank_states: RankStates = field(default_factory=RankStates)
 
     def live_steps(self) -> dict[str, WorkerStep]:
         """Steps still worth watching: not stopped, not ended, not lost."""
