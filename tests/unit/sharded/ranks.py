@@ -136,7 +136,8 @@ def run(jobs: list[tuple[str, int]], mesh: str, port: int, out: Path, k: int, st
         if p.is_alive():
             p.kill()
             p.join()
-    assert [p.exitcode for p in procs] == [0] * len(procs), list(zip(jobs, [p.exitcode for p in procs]))
+    codes = [p.exitcode for p in procs]
+    assert codes == [0] * len(procs), list(zip(jobs, codes, strict=True))
 
 
 def load(out: Path, role: str, rank: int) -> dict[str, Any]:

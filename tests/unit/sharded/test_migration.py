@@ -24,7 +24,8 @@ def fault_free(out: Path, mesh: str, world: int) -> None:
     ranks.run([("ref", r) for r in range(world)], mesh, port, out, K, STEPS)
 
 
-def test_a_lost_hsdp_rank_gets_only_its_shards_from_its_replica_and_ends_bitwise_equal(tmp_path: Path) -> None:
+def test_a_lost_hsdp_rank_gets_only_its_shards_from_its_replica_and_ends_bitwise_equal(
+        tmp_path: Path) -> None:
     fault_free(tmp_path, "2x2", 4)
     port, _store = ranks.host_store()
     jobs = [("survivor", 0), ("lost", 1), ("survivor", 2), ("survivor", 3), ("spare", 1)]
@@ -43,6 +44,7 @@ def test_a_lost_hsdp_rank_gets_only_its_shards_from_its_replica_and_ends_bitwise
     model = sum(ranks.state_bytes(ranks.load(tmp_path, "ref", r)["state"]) for r in (0, 1))  # one replica
     assert done["bytes"] == own  # rank 1's parameters and optimizer state, nothing else
     assert done["bytes"] < 0.6 * model
+    print(f"moved {done['bytes']} bytes of rank 1's shards; one replica of the model holds {model}")
     (live_ready,) = [f for e, f in spare["reports"] if e == "live_ready"]
     assert live_ready["mesh"] == {"dims": ["replicate", "shard"], "shape": [2, 2], "replicate": "replicate"}
     r0 = ranks.load(tmp_path, "survivor", 0)
