@@ -28,6 +28,11 @@ spare holds the lost logical rank. Then, in the same process::
 A promoted spare enters the same path from :meth:`ElasticTrainer.fit` with
 step -1. Per-rank randomness must be a function of (seed, rank, step): the
 lost rank's RNG state died with it, and the spare derives it again.
+
+State that belongs to one rank (a data loader's position) goes in ``rank_state``:
+each step's copy goes to the supervisor when the step's collectives start, and
+after every agreement on step S each rank holds its rank state of S
+(:mod:`.rankstate`; a promoted spare gets the lost rank's copies with its promotion).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from torchpass_slurm.errors import CollectiveError, TransferError
 from torchpass_slurm.phase import Phase
 from torchpass_slurm.rank.group import destroy_group, release_references
 from torchpass_slurm.rank.handover import Handover
+from torchpass_slurm.rank.rankstate import RANK_STATE_KEY, RankState
 from torchpass_slurm.rank.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -159,6 +165,7 @@ class ElasticTrainer:
         backend: str = "gloo",
         ddp_kwargs: Mapping[str, Any] | None = None,
         start_step: int = 0,
+        rank_state: Mapping[str, Any] | None = None,
     ) -> None:
         self.rt = rt
         self.model = model
@@ -176,6 +183,15 @@ class ElasticTrainer:
         self.released = False
         self._started = False
         self._pending: list[Reconfigure] = []
+        #: what belongs to this rank alone (its data loader position); None: nothing, no cost
+        self.rank_state = RankState(rt, rank_state) if rank_state else None
+
+    @property
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint of this rank holds: ``state``, and the rank state beside it (save this)."""
+        if self.rank_state is None:
+            return self.state
+        return {**self.state, RANK_STATE_KEY: self.rank_state.checkpoint_entry()}
 
     @property
     def received_state(self) -> bool:
@@ -197,9 +213,12 @@ class ElasticTrainer:
             self._first_step_pending = True
             try:
                 self._sync_state()
+                self._restore_rank_state(self.step)
             except Exception as exc:  # judged below: the donor died mid-transfer, or a bug
                 self._recover_or_raise(exc)
                 return
+        elif self.rank_state is not None:
+            self.rank_state.capture(self.step)
         self._wrap()
 
     def resume_from_checkpoint(self, directory: Any) -> int:
@@ -208,7 +227,9 @@ class ElasticTrainer:
 
         if self.received_state or directory is None:
             return self.step
-        self.step = checkpoint.load_latest(self.state, directory) or 0
+        self.step = checkpoint.load_latest(self.checkpoint_state, directory) or 0
+        if self.rank_state is not None:
+            self.rank_state.capture(self.step)
         if self.rt.rank == 0:
             self.rt.report(ReportKind.RESUMED, step=self.step, epoch=self.rt.epoch)
         return self.step
@@ -305,6 +326,8 @@ class ElasticTrainer:
             self.scheduler.step()
         self.step += 1
         self.rt.report_step(self.step)
+        if self.rank_state is not None and self.rank_state.tag != self.step:
+            self.rank_state.capture(self.step)  # no forward pre-hook ran (one rank, or a custom wrap)
         if self._first_step_pending and self.rt.rank == 0:
             self.rt.report(ReportKind.FIRST_STEP, step=self.step, epoch=self.rt.epoch)
         self._first_step_pending = False
@@ -359,6 +382,7 @@ class ElasticTrainer:
             ReportKind.GROUP_REBUILT, seconds=round(time.monotonic() - started, 4), epoch=self.rt.epoch
         )
         self._sync_state()
+        self._restore_rank_state(self.step)
         self._wrap()
         self.migrations += 1
         self._first_step_pending = True
@@ -374,6 +398,13 @@ class ElasticTrainer:
         """Agree on the committed step; ranks behind it receive the state from a replica."""
         self.step = self.handover.sync(self.step)
 
+    def _restore_rank_state(self, step: int) -> None:
+        """After the agreement on ``step``: this rank's own state is the one of that step (its own
+        copy, or a promoted spare's copy of the lost rank's); RankStateError if there is none."""
+        if self.rank_state is not None:
+            promotion = self.rt.promotion if self.rt.is_spare_promoted else None
+            self.rank_state.restore(step, promotion.rank_state if promotion is not None else ())
+
     def _wrap(self) -> None:
         import torch.distributed as dist
 
@@ -388,5 +419,8 @@ class ElasticTrainer:
     def _forward_called(self, *_: object) -> None:
         """The DDP model's forward is called: its collectives start here (a buffer broadcast,
         then the backward's all-reduce). The hang detector tells a rank stuck before them from
-        peers waiting in them (``torchpass_slurm.phase``)."""
+        peers waiting in them (``torchpass_slurm.phase``). The batch of this step is drawn: the
+        rank state is the one valid once it commits, and its copy leaves before the all-reduce."""
         self.rt.state = Phase.SYNC
+        if self.rank_state is not None:
+            self.rank_state.capture(self.step + 1)
