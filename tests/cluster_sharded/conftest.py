@@ -20,7 +20,6 @@ from tests.cluster.conftest import (  # noqa: F401 - the fixtures and the report
     pytest_runtest_makereport,
 )
 
-
 HERE = Path(__file__).parent
 
 
