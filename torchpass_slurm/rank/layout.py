@@ -51,13 +51,13 @@ class MeshLayout:
             )
         if len(self.dims) > MAX_MESH_DIMS:
             raise ValueError(f"a mesh has at most {MAX_MESH_DIMS} dimensions; got {len(self.dims)}")
-        if len(set(self.dims)) != len(self.dims):
-            raise ValueError(f"mesh dimension names must differ; got {self.dims}")
         for name in self.dims:
             if not isinstance(name, str) or not name or len(name) > MAX_DIM_NAME or not name.isidentifier():
                 raise ValueError(
                     f"a mesh dimension name is an identifier of 1-{MAX_DIM_NAME} characters; got {name!r}"
                 )
+        if len(set(self.dims)) != len(self.dims):  # after the type check: set() needs hashable names
+            raise ValueError(f"mesh dimension names must differ; got {self.dims}")
         for size in self.shape:
             if type(size) is not int or size < 1:
                 raise ValueError(f"mesh sizes are positive integers; got {self.shape}")

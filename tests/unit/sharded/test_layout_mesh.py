@@ -50,6 +50,8 @@ def test_donors_spread_over_replica_groups_and_avoid_the_batch_host() -> None:
         {"dims": ["a", "a"], "shape": [1, 1]},
         {"dims": ["shard"], "shape": [2], "replicate": "replicate"},
         {"dims": ["x y"], "shape": [2]},
+        {"dims": [{"a": 1}, {"a": 1}], "shape": [1, 1]},
+        {"dims": [["shard"]], "shape": [2]},
         {"dims": ["shard"], "shape": [True]},
         {"dims": "shard", "shape": [2]},
         {"dims": ["shard"], "shape": [2], "extra": 1},
