@@ -53,10 +53,11 @@ SUBMITTED: list[TpJob] = []
 
 
 def submit(c: Cluster, *tp_args: str, train_args: tuple[str, ...] = TRAIN_ARGS,
-           env: dict[str, str] | None = None) -> TpJob:
-    """tp-submit the example on ctl; ``env`` reaches every rank (sbatch exports it)."""
+           env: dict[str, str] | None = None, example: str = EXAMPLE) -> TpJob:
+    """tp-submit an example (the DDP one by default) on ctl; ``env`` reaches every rank
+    (sbatch exports it)."""
     run_dir = f"/shared/runs/{uuid.uuid4().hex[:8]}"
-    job = TpJob(c, c.tp_submit(run_dir, *tp_args, EXAMPLE, *train_args, env=env), run_dir)
+    job = TpJob(c, c.tp_submit(run_dir, *tp_args, example, *train_args, env=env), run_dir)
     SUBMITTED.append(job)
     return job
 
