@@ -190,7 +190,7 @@ class Executor:
         leaving = old.ranks_of(fault.node)  # with rank state, their copy of the switch step comes first
         self.job.rank_states.leaving(fault.node, leaving)
         after = (fault.node, leaving) if self.job.rank_states.holds(leaving) else None
-        self.orders.promote(spare, PromoteMode.LIVE, after=after)
+        self.orders.promote(spare, PromoteMode.LIVE, after=after, switch_after=switch_after)
         self.job.state = RunState.RECOVERING
 
     def _regroup(self, plan: Plan) -> None:

@@ -9,8 +9,10 @@ loop calls :meth:`Orders.advance` on every pass, so nothing waits.
 A live promotion carries the last copies of the rank state of the ranks the spare takes
 (:class:`~.rankstates.RankStates`). In a planned move the leaving ranks keep training up to
 the switch, so their copy of the switch step arrives after the plan: the promotion then
-also waits for their ``released`` (sent after that copy, on the same connection), or for
-the end of their step.
+also waits for that copy (tagged with the switch step), for their ``released`` (sent after
+it, on the same connection), or for the end of their step. The copy is enough: a sharded
+leaving rank reports ``released`` only once it has handed its shards to the spare, which
+needs the promotion first (``rank/shard_handover.py``).
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ class _Promotion:
 
     mode: PromoteMode
     deadline: float
-    #: a planned move with rank state: the leaving node and its ranks, whose ``released`` comes first
+    #: a planned move with rank state: the leaving node and its ranks, whose copy of the switch
+    #: step (or ``released``) comes first
     leaving: tuple[str, frozenset[int]] | None = None
+    #: the step the leaving ranks switch after: their copy tagged with it is their last
+    switch_after: int | None = None
 
 
 class Orders:
@@ -62,12 +67,20 @@ class Orders:
         self._promotions: dict[str, _Promotion] = {}
         self._released: set[int] = set()
 
-    def promote(self, node: str, mode: PromoteMode, *, after: tuple[str, range] | None = None) -> None:
+    def promote(
+        self,
+        node: str,
+        mode: PromoteMode,
+        *,
+        after: tuple[str, range] | None = None,
+        switch_after: int | None = None,
+    ) -> None:
         """Promote the spare once its step is on standby (now, if it already is); ``after``: a
-        leaving node and its ranks, whose ``released`` the promotion waits for too."""
+        leaving node and its ranks, whose copy of step ``switch_after`` (or ``released``) the
+        promotion waits for too."""
         deadline = self.clock.monotonic() + self.config.startup_timeout
         leaving = None if after is None else (after[0], frozenset(after[1]))
-        self._promotions[node] = _Promotion(mode, deadline, leaving)
+        self._promotions[node] = _Promotion(mode, deadline, leaving, switch_after)
         self.advance()
 
     def released(self, rank: object) -> None:
@@ -84,18 +97,25 @@ class Orders:
         now = self.clock.monotonic()
         for node, pending in list(self._promotions.items()):
             step = self.job.steps[node]
-            if not self._left(pending.leaving) and step.poll() is None:
+            if not self._left(pending) and step.poll() is None:
                 continue
             if step.all_standby() or step.poll() is not None or now >= pending.deadline:
                 del self._promotions[node]
                 self._send_promote(node, pending.mode)
 
-    def _left(self, leaving: tuple[str, frozenset[int]] | None) -> bool:
-        if leaving is None:
+    def _left(self, pending: _Promotion) -> bool:
+        """Whether the leaving ranks' last rank-state copies are here (or they are gone)."""
+        if pending.leaving is None:
             return True
-        step = self.job.steps[leaving[0]]
+        node, ranks = pending.leaving
+        step = self.job.steps[node]
         gone = step.poll() is not None or step.state in (WorkerState.LOST, WorkerState.EXITED)
-        return gone or leaving[1] <= self._released
+        return gone or ranks <= self._released or self._last_copies_here(ranks, pending.switch_after)
+
+    def _last_copies_here(self, ranks: frozenset[int], switch_after: int | None) -> bool:
+        if switch_after is None:
+            return False
+        return all(any(tag >= switch_after for tag, _ in self.job.rank_states.copies(r)) for r in ranks)
 
     def _send_promote(self, node: str, mode: PromoteMode) -> None:
         """Tell the spare's standby tasks their ranks; its step starts as an active one."""

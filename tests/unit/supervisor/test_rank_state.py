@@ -89,7 +89,7 @@ def test_a_copy_for_another_tasks_rank_is_refused(live: Live, caplog: pytest.Log
     assert any("refused the rank state of rank 1 from c3/0" in r.getMessage() for r in caplog.records)
 
 
-def test_a_planned_move_promotes_once_the_leaving_rank_released_after_its_last_copy(live: Live) -> None:
+def test_a_planned_move_promotes_once_the_leaving_rank_sent_its_last_copy(live: Live) -> None:
     h, _ = live()
     copies_at(h, "c2/0", 1, 2, at=1.0)
 
@@ -103,10 +103,8 @@ def test_a_planned_move_promotes_once_the_leaving_rank_released_after_its_last_c
 
     assert (result.state, result.restarts) == (RunState.SUCCEEDED, 0)
     (promote,) = h.promotes()
+    # copy 9 was sent after the plan: the promotion waited for it, not only for the copies at hand
     assert promote["rank_state"] == [[2, loader(20)], [9, loader(90)]]
-    sent = [s.message for s in h.server.sent if s.message.kind == msg.PROMOTE]
-    (released,) = h.of_kind("released")
-    assert sent[0].ts >= released.ts  # not before the leaver's last copy
     (done,) = h.of_kind(ev.MIGRATION_DONE)
     assert done.fields["planned"] is True
 
@@ -121,3 +119,34 @@ def test_rank_states_keep_the_last_two_copies_and_a_lower_tag_replaces_the_later
     states.offer(0, 1, {"p": "restart"})  # resumed from an older checkpoint
     assert states.copies(0) == ((1, {"p": "restart"}),)
     assert states.copies(5) == () and not states.holds(range(1, 4)) and states.holds([0])
+
+
+def test_a_planned_move_promotes_on_the_leavers_copy_of_the_switch_step_before_it_released(
+        live: Live) -> None:
+    """A sharded leaving rank reports ``released`` only after it handed its shards to the spare,
+    which needs the promotion: the promotion must not wait for ``released``, only for the copy."""
+    h, ranks = live()
+    copies_at(h, "c2/0", 1, 2, at=1.0)
+    leave = ranks._leave
+    waiting: list[tuple[Any, str, int]] = []
+    ranks._leave = lambda sim, sender, epoch: waiting.append((sim, sender, epoch))  # type: ignore[method-assign]
+
+    def on_send(peer: bytes, message: msg.Message) -> None:
+        if message.kind == msg.RECONFIGURE and peer.startswith(b"c2/0"):
+            switch = message.body["switch_after"]
+            h.world.at(h.clock.elapsed + 0.2, lambda: send_copy(h, "c2/0", switch))
+        elif message.kind == msg.PROMOTE:  # the spare is in: the leaver hands over, then leaves
+            h.world.at(h.clock.elapsed + 0.3, lambda: [leave(*w) for w in waiting])
+    h.server.on_send.append(on_send)
+    h.world.at(3.0, lambda: h.slurm.set_node("c2", "MIXED", "DRAIN", reason="maintenance"))
+
+    result = h.run()
+
+    assert (result.state, result.restarts) == (RunState.SUCCEEDED, 0)
+    (promote,) = h.promotes()
+    assert promote["rank_state"][-1][0] >= 2
+    sent = [s.message for s in h.server.sent if s.message.kind == msg.PROMOTE]
+    (released,) = h.of_kind("released")
+    assert sent[0].ts < released.ts  # promoted on the copy, before the leaver released
+    (done,) = h.of_kind(ev.MIGRATION_DONE)
+    assert done.fields["planned"] is True
