@@ -126,6 +126,44 @@ def batch(seed: int, step: int, rank: int, world: int, batch_size: int, context:
     return rows[:, :-1], rows[:, 1:]
 
 
+class FilteredLoader:
+    """A stateful per-rank loader, as a real data pipeline is: rank ``r`` reads its own stream
+    (samples ``r``, ``r + W``, ``r + 2W``, ...) and a quality filter drops about one sample in
+    four by its content, so how far a rank has read after k steps is not a function of k. Only
+    :meth:`state_dict` says where it is: no replica holds it, and a spare that takes the rank
+    must get it (``ElasticTrainer(rank_state=...)``). Its state is JSON: ``{"position": n}``."""
+
+    def __init__(self, seed: int, rank: int, world: int, batch_size: int, context: int,
+                 vocab: int) -> None:
+        self.seed, self.rank, self.world = seed, rank, world
+        self.batch_size, self.context, self.vocab = batch_size, context, vocab
+        self.position = 0  # how many samples of this rank's stream were read (kept or dropped)
+        self.last_ids: list[int] = []  # the samples of the last batch, in order
+
+    @staticmethod
+    def keep(row: torch.Tensor) -> bool:
+        return int(row.sum()) % 4 != 0
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, ids = [], []
+        while len(rows) < self.batch_size:
+            index = self.rank + self.world * self.position
+            self.position += 1
+            row = sample(self.seed, index, self.context + 1, self.vocab)
+            if self.keep(row):
+                rows.append(row)
+                ids.append(index)
+        self.last_ids = ids
+        stacked = torch.stack(rows)
+        return stacked[:, :-1], stacked[:, 1:]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+
+
 # --- helpers -------------------------------------------------------------------------
 
 

@@ -9,7 +9,11 @@ script shards them with :class:`~torchpass_slurm.rank.sharded.ShardedTrainer`::
                   drain migrates live; a lost rank restarts from the shard checkpoint)
 
 Every transformer block is one FSDP unit, the embeddings and the head the root's. The data
-position is tiny_gpt's, a function of (seed, step, rank). Checkpoints (``--ckpt-every``) are
+position is tiny_gpt's, a function of (seed, step, rank), or with ``--loader stateful`` a
+per-rank :class:`tiny_gpt.FilteredLoader` whose position only its state says: it is the
+trainer's ``rank_state``, which a spare receives from the supervisor. ``--sample-log DIR``
+appends every committed step's sample ids to ``DIR/samples-rank<R>.jsonl`` (one file per
+logical rank, written by whichever process holds the rank), to compare runs sample by sample. Checkpoints (``--ckpt-every``) are
 per-rank shard files (``rank/shard_checkpoint.py``). The last line,
 ``done step=<N> loss=<x> params_sha256=<hash>``, hashes the full parameters AND the full
 optimizer state, gathered once at the end, so a migrated run can be compared with a
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import logging
 import os
 import sys
@@ -50,14 +55,19 @@ def mesh_layout(text: str) -> MeshLayout:
     return MeshLayout(("replicate", "shard"), (replicas, shards))
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, MeshLayout]:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--mesh", type=mesh_layout, default=mesh_layout("2x2"),
                    help="REPLICASxSHARDS (default 2x2: HSDP; 1x4: pure FSDP)")
+    p.add_argument("--loader", choices=("step", "stateful"), default="step",
+                   help="step: the data position is the step (default); stateful: a filtered "
+                        "per-rank stream whose position is rank state")
+    p.add_argument("--sample-log", type=Path, help="append each committed step's sample ids here "
+                   "(DIR/samples-rank<R>.jsonl)")
     known, rest = p.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         p.print_help()
-    return tiny_gpt.parse_args(rest), known.mesh
+    return tiny_gpt.parse_args(rest), known
 
 
 def builder(args: argparse.Namespace) -> Any:
@@ -102,8 +112,16 @@ def full_state_sha256(model: nn.Module, optimizer: torch.optim.Optimizer) -> str
     return h.hexdigest()
 
 
+def log_samples(folder: Path, rank: int, step: int, ids: list[int]) -> None:
+    """One line per committed step of this logical rank: ``{"step": S, "ids": [...]}``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"samples-rank{rank}.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "ids": ids}) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args, layout = parse_args(argv)
+    args, own = parse_args(argv)
+    layout: MeshLayout = own.mesh
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     rt = runtime.Runtime.from_env()
@@ -112,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     if world != layout.world_size:
         raise SystemExit(f"--mesh {'x'.join(map(str, layout.shape))} needs {layout.world_size} ranks; "
                          f"this job has {world}")
-    trainer = ShardedTrainer(rt, builder(args), layout)
+    loader = None
+    if own.loader == "stateful":
+        loader = tiny_gpt.FilteredLoader(args.seed, rank, world, args.batch_size, args.context, args.vocab)
+    trainer = ShardedTrainer(rt, builder(args), layout, rank_state={"data": loader} if loader else None)
     trainer.start()  # joins the group, builds the mesh and the model; a live spare receives here
     ckpt_dir = tiny_gpt.checkpoint_dir(args)
     if trainer.resume_from_checkpoint(ckpt_dir) and not trainer.received_state:
@@ -128,10 +149,18 @@ def main(argv: list[str] | None = None) -> int:
             hang.maybe_hang(step)
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        return tiny_gpt.loss_of(args, model, step, rank, world)  # FSDP reduce-scatters in backward
+        if loader is None:
+            return tiny_gpt.loss_of(args, model, step, rank, world)  # FSDP reduce-scatters in backward
+        torch.manual_seed(args.seed * 7919 + rank * 104_729 + step)  # dropout: (seed, rank, step)
+        x, y = loader.next_batch()
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, args.vocab), y.reshape(-1))
+        loss.backward()
+        return loss
 
     def on_commit(done: int, loss: torch.Tensor) -> None:
         meter.commit(done)
+        if own.sample_log is not None:
+            log_samples(own.sample_log, rank, done, loader.last_ids if loader else [])
         if done % args.log_every == 0 or done == args.steps:
             mean = tiny_gpt.mean_over_ranks(loss, world)
             if rank == 0:

@@ -13,11 +13,13 @@ pickled. Each rank's file is the transfer stream's format on disk::
       .tmp-step-00000050/     a save in progress (or torn by a crash): ignored
 
 The manifest's ``meta`` holds the step, the shard metadata of the transfer (mesh, the
-rank's coordinate, each tensor's global shape, stride and placements) and a crc32 of every
-chunk. A load checks all of it against the rank's own mesh and freshly built model
-(``rank/shard_handover.py``'s checks), and every chunk against its checksum, before it
-writes one byte into the model. The folder is created private and renamed into place like a DCP
-checkpoint (``rank/checkpoint.py``'s helpers).
+rank's coordinate, each tensor's global shape, stride and placements), a crc32 of every
+chunk and, for a trainer with ``rank_state``, that rank's own state (its data loader's
+position: bounded JSON, checked as the control plane checks it). A load checks all of it
+against the rank's own mesh and freshly built model (``rank/shard_handover.py``'s checks),
+and every chunk against its checksum, before it writes one byte into the model. The folder
+is created private and renamed into place like a DCP checkpoint (``rank/checkpoint.py``'s
+helpers).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,8 +73,10 @@ def save(
     step: int,
     *,
     keep: int = 3,
+    rank_state: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write this rank's shards as part of the checkpoint of ``step`` (every rank calls it)."""
+    """Write this rank's shards as part of the checkpoint of ``step`` (every rank calls it);
+    ``rank_state`` (name -> Stateful with a JSON state_dict) is saved with them."""
     from torchpass_slurm.rank.shard_handover import shard_meta
 
     if keep < 1:
@@ -85,8 +90,11 @@ def save(
         tmp.mkdir()
     _barrier()
     state, specs = local_state(model, optimizer)
+    meta = shard_meta(layout, rank, step, specs)
+    if rank_state is not None:
+        meta["rank_state"] = _own_state(rank_state, step)
     try:
-        _write(_rank_file(tmp, rank), state, shard_meta(layout, rank, step, specs))
+        _write(_rank_file(tmp, rank), state, meta)
     except OSError as exc:
         raise CheckpointError(
             f"writing rank {rank}'s shards of step {step} into {tmp} failed: {exc}",
@@ -149,10 +157,15 @@ def latest_step(directory: str | os.PathLike[str]) -> int | None:
 
 
 def load_latest(
-    model: nn.Module, optimizer: torch.optim.Optimizer, layout: MeshLayout, directory: str | os.PathLike[str]
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    layout: MeshLayout,
+    directory: str | os.PathLike[str],
+    *,
+    rank_state: Mapping[str, Any] | None = None,
 ) -> int | None:
-    """Load this rank's shards of the newest complete checkpoint (rank 0 chooses it); its step,
-    or None with nothing loaded when there is none."""
+    """Load this rank's shards of the newest complete checkpoint (rank 0 chooses it), and its
+    ``rank_state`` when given; the step, or None with nothing loaded when there is none."""
     directory = Path(directory)
     found = latest_step(directory) if _dist_rank() == 0 else None
     step = _broadcast_int(-1 if found is None else found)
@@ -161,7 +174,9 @@ def load_latest(
     rank = _dist_rank()
     path = _rank_file(step_dir(directory, step), rank)
     try:
-        _read(path, model, optimizer, layout, rank, step)
+        meta = _read(path, model, optimizer, layout, rank, step)
+        if rank_state is not None:
+            _load_own_state(rank_state, meta.get("rank_state"), step)
     except OSError as exc:
         raise CheckpointError(
             f"reading {path} failed: {exc}", hint="is the folder shared by every node?"
@@ -175,9 +190,39 @@ def load_latest(
     return step
 
 
+def _own_state(objects: Mapping[str, Any], step: int) -> dict[str, Any]:
+    from torchpass_slurm.control.rankstate import check_copy
+    from torchpass_slurm.errors import ControlPlaneError
+
+    state = {name: obj.state_dict() for name, obj in objects.items()}
+    try:
+        check_copy(step, state, "the rank state to checkpoint")
+    except ControlPlaneError as exc:
+        raise CheckpointError(exc.message, hint="rank_state holds small JSON positions") from None
+    return state
+
+
+def _load_own_state(objects: Mapping[str, Any], saved: object, step: int) -> None:
+    """Give every rank-state object its saved state, once all of it is checked."""
+    from torchpass_slurm.control.rankstate import check_copy
+    from torchpass_slurm.errors import ControlPlaneError
+
+    try:
+        check_copy(step, saved, "the checkpoint's rank state")
+    except ControlPlaneError as exc:
+        raise TransferError(f"{exc.message} (a checkpoint written without rank_state?)") from None
+    assert isinstance(saved, dict)
+    missing = sorted(set(objects) - set(saved))
+    if missing:
+        raise TransferError(f"the checkpoint's rank state has no {missing} (it has {sorted(saved)})")
+    for name, obj in objects.items():
+        obj.load_state_dict(saved[name])
+
+
 def _read(
     path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, layout: MeshLayout, rank: int, step: int
-) -> None:
+) -> dict[str, Any]:
+    """Check and load this rank's file into the model; the manifest's meta."""
     import torch
 
     from torchpass_slurm.rank.shard_handover import judge_shard_manifest
@@ -213,6 +258,7 @@ def _read(
             start, end = manifest.chunk_span(i)
             cmap.scatter(i, torch.frombuffer(bytearray(f.read(end - start)), dtype=torch.uint8))
     load_local_state(model, optimizer, state)
+    return dict(manifest.meta)
 
 
 def _count(value: Any) -> int:

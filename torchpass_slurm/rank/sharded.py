@@ -32,7 +32,7 @@ the data position must be functions of (seed, rank, step), as for ElasticTrainer
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from torchpass_slurm.control.bodies import PromoteMode, Reconfigure
@@ -75,10 +75,17 @@ class ShardedTrainer(ElasticTrainer):
         backend: str = "gloo",
         device_type: str = "cpu",
         start_step: int = 0,
+        rank_state: Mapping[str, Any] | None = None,
     ) -> None:
         # No model yet: the mesh it is sharded on needs the group, which start() builds.
         super().__init__(
-            rt, cast(Any, None), cast(Any, None), state={}, backend=backend, start_step=start_step
+            rt,
+            cast(Any, None),
+            cast(Any, None),
+            state={},
+            backend=backend,
+            start_step=start_step,
+            rank_state=rank_state,
         )
         self.build = build
         self.layout = layout
@@ -109,9 +116,12 @@ class ShardedTrainer(ElasticTrainer):
             self._first_step_pending = True
             try:
                 self._handover()
+                self._restore_rank_state(self.step)  # the lost rank's own, from the promotion
             except Exception as exc:  # judged below: the donor died mid-transfer, or a bug
                 self._recover_or_raise(exc)
                 return
+        elif self.rank_state is not None:
+            self.rank_state.capture(self.step)
         self._wrap()
 
     def resume_from_checkpoint(self, directory: Any) -> int:
@@ -120,7 +130,13 @@ class ShardedTrainer(ElasticTrainer):
 
         if self.received_state or directory is None:
             return self.step
-        self.step = shard_checkpoint.load_latest(self.model, self.optimizer, self.layout, directory) or 0
+        own = self.rank_state.objects if self.rank_state is not None else None
+        found = shard_checkpoint.load_latest(
+            self.model, self.optimizer, self.layout, directory, rank_state=own
+        )
+        self.step = found or 0
+        if self.rank_state is not None and found is not None:
+            self.rank_state.capture(self.step)
         if self.rt.rank == 0:
             self.rt.report(ReportKind.RESUMED, step=self.step, epoch=self.rt.epoch)
         return self.step
@@ -129,7 +145,10 @@ class ShardedTrainer(ElasticTrainer):
         """Every rank writes its own shards of ``step`` (collective); the folder."""
         from torchpass_slurm.rank import shard_checkpoint
 
-        return shard_checkpoint.save(self.model, self.optimizer, self.layout, directory, step, keep=keep)
+        own = self.rank_state.objects if self.rank_state is not None else None
+        return shard_checkpoint.save(
+            self.model, self.optimizer, self.layout, directory, step, keep=keep, rank_state=own
+        )
 
     # -- recovery ------------------------------------------------------------
     def _reconfigure(self, body: Reconfigure) -> None:
