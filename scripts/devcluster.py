@@ -34,7 +34,11 @@ DOCKER_DIR = ROOT / "docker"
 COMPOSE_FILE = DOCKER_DIR / "compose.yml"
 CONTROLLER = "ctl"
 COMPUTE = ("c1", "c2", "c3", "c4", "c5")
-NODES = (CONTROLLER,) + COMPUTE
+#: The service partition's node (partition ``service``): where a job's supervisor
+#: component runs when tp-submit is given a supervisor partition. Not in ``debug``.
+SERVICE = ("s1",)
+SERVICE_PARTITION = "service"
+NODES = (CONTROLLER,) + COMPUTE + SERVICE
 
 
 @dataclass(frozen=True)
@@ -350,7 +354,8 @@ def wait_for(probe: Callable[[], T | None], *, timeout: float, what: str,
 
 @dataclass
 class Cluster:
-    """The dev cluster as seen from the host: ctl (slurmctld, the login node) and c1..c5."""
+    """The dev cluster as seen from the host: ctl (slurmctld, the login node), c1..c5
+    (partition ``debug``) and the service node s1 (partition ``service``)."""
 
     shared_host: Path = SHARED
     shared_node: str = "/shared"
@@ -370,7 +375,8 @@ class Cluster:
         compose("up", "-d", "--no-build")
         self.wait_idle(timeout=timeout)
         log(f"cluster up in {time.monotonic() - started:.0f} s: {len(NODES)} containers, "
-            f"{len(COMPUTE)} idle nodes (`scripts/cluster status`)")
+            f"{len(COMPUTE)} idle nodes and the service node {', '.join(SERVICE)} "
+            "(`scripts/cluster status`)")
 
     def down(self) -> None:
         require_docker()
@@ -541,9 +547,11 @@ class Cluster:
         last = ""
         while True:
             containers = self.containers()
-            stopped = stopped_nodes(NODES, containers)
+            slurm_nodes = COMPUTE + self.service_nodes(containers)
+            stopped = stopped_nodes((CONTROLLER, *slurm_nodes), containers)
             states = {} if CONTROLLER in stopped else self._states_or_none()
-            waiting = {n: states.get(n, "unknown") for n in COMPUTE if states.get(n) != "idle"}
+            waiting = {n: states.get(n, "unknown") for n in slurm_nodes
+                       if states.get(n) != "idle"}
             if not waiting and not stopped:
                 return
             waited = time.monotonic() - started
@@ -562,6 +570,12 @@ class Cluster:
                                   "state=resume", check=False)
             time.sleep(POLL_S)
 
+    @staticmethod
+    def service_nodes(containers: Mapping[str, str]) -> tuple[str, ...]:
+        """The service nodes this cluster has: those whose container exists (a cluster
+        brought up from a compose file older than the service partition has none)."""
+        return tuple(n for n in SERVICE if n in containers)
+
     def _states_or_none(self) -> dict[str, str]:
         proc = self.exec(CONTROLLER, "sinfo", "-h", "-N", "-o", "%N %T", check=False, timeout=30)
         return parse_node_states(proc.stdout) if proc.returncode == 0 else {}
@@ -571,7 +585,7 @@ class Cluster:
         back in, resumed."""
         self.exec(CONTROLLER, "scancel", "--full", "--user=root", check=False)
         containers = self.containers()
-        for node in COMPUTE:
+        for node in COMPUTE + self.service_nodes(containers):
             if containers.get(node) != "running":
                 self.restart(node)
             elif not self.attached(node):

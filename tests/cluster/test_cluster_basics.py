@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.devcluster import COMPUTE, Cluster, wait_for
+from scripts.devcluster import COMPUTE, PROJECT, SERVICE, Cluster, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -27,10 +27,13 @@ DOWN_MARGIN_S = 60.0
 
 def test_every_node_comes_up_idle(cluster: Cluster) -> None:
     names = subprocess.run(
-        ["docker", "ps", "--filter", "name=^torchpass-", "--format", "{{.Names}}"],
+        ["docker", "ps", "--filter", f"name=^{PROJECT}-", "--format", "{{.Names}}"],
         capture_output=True, text=True, timeout=30, check=True).stdout.split()
-    assert sorted(names) == sorted(["torchpass-ctl"] + [f"torchpass-{n}" for n in COMPUTE])
-    assert cluster.node_states() == {n: "idle" for n in COMPUTE}
+    names = [n for n in names if n.split("-", 1)[1] in ("ctl", *COMPUTE, *SERVICE)]
+    assert sorted(names) == sorted([f"{PROJECT}-{n}" for n in ("ctl", *COMPUTE, *SERVICE)])
+    assert cluster.node_states() == {n: "idle" for n in COMPUTE + SERVICE}
+    partitions = cluster.exec("ctl", "sinfo", "-h", "-o", "%R %N").stdout.split("\n")
+    assert sorted(p for p in partitions if p) == ["debug c[1-5]", "service s1"]
 
 
 def test_three_node_batch_job_output_is_read_back(healthy_cluster: Cluster) -> None:

@@ -93,7 +93,23 @@ def test_wait_idle_fails_at_once_when_a_node_container_exited() -> None:
 
 
 def test_wait_idle_returns_when_every_node_is_idle() -> None:
-    fake = FakeCluster({n: "running" for n in dc.NODES}, {n: "idle" for n in dc.COMPUTE})
+    fake = FakeCluster({n: "running" for n in dc.NODES},
+                       {n: "idle" for n in dc.COMPUTE + dc.SERVICE})
+    fake.wait_idle(timeout=1)
+
+
+def test_wait_idle_waits_for_the_service_node_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dc, "POLL_S", 0.01)
+    fake = FakeCluster({n: "running" for n in dc.NODES},
+                       {**{n: "idle" for n in dc.COMPUTE}, "s1": "unknown"})
+    with pytest.raises(ClusterError, match="nodes not idle after 0 s: s1=unknown"):
+        fake.wait_idle(timeout=0.05)
+
+
+def test_a_cluster_started_without_a_service_node_is_idle_with_c1_to_c5() -> None:
+    """A cluster brought up from a compose file older than s1 (another engineer's, say)."""
+    fake = FakeCluster({n: "running" for n in (dc.CONTROLLER, *dc.COMPUTE)},
+                       {n: "idle" for n in dc.COMPUTE})
     fake.wait_idle(timeout=1)
 
 
