@@ -20,6 +20,9 @@ ENV_RUN_DIR = "TORCHPASS_RUN_DIR"
 ENV_SECRET_FILE = "TORCHPASS_SECRET_FILE"
 ENV_NODES = "TORCHPASS_NODES"
 ENV_SPARES = "TORCHPASS_SPARES"
+#: Set by tp-submit's batch script of a heterogeneous job: the het group of the training
+#: nodes (the supervisor runs in group 0). Unset: the job's own nodes are the training nodes.
+ENV_TRAINING_HET_GROUP = "TORCHPASS_TRAINING_HET_GROUP"
 ENV_NTASKS_PER_NODE = "TORCHPASS_NTASKS_PER_NODE"
 ENV_JOB_ID = "TORCHPASS_JOB_ID"
 ENV_CONTROL = "TORCHPASS_CONTROL"

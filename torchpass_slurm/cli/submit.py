@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from torchpass_slurm.cli.app import App, pass_app, run_cli
-from torchpass_slurm.errors import SlurmError
+from torchpass_slurm.errors import SlurmError, SubmitError
 from torchpass_slurm.submit import (
     BatchScript,
     JobSpec,
@@ -36,6 +36,16 @@ from torchpass_slurm.submit import (
     resolve_job_spec,
     sbatch_command_line,
     submit,
+)
+from torchpass_slurm.submit.placement import load_site_config
+
+#: Said once per user (a marker under XDG_STATE_HOME) when no supervisor partition is set.
+NOT_REPLACEABLE_NOTE = (
+    "note: no supervisor partition is configured, so the supervisor runs on the node of rank 0 "
+    "and that node cannot be replaced: if it dies the job ends (tp report names the cause), "
+    "and a drain of it waits for the job's end. Ask your admins for a service partition, or "
+    'give --supervisor-partition P (docs/user-guide.md, "Where the supervisor runs"). '
+    "This note is shown once."
 )
 
 #: sbatch's own environment variable for the partition (used when -p is not given).
@@ -60,6 +70,13 @@ unchanged, in order.
 \b
 tp-submit's options:
   --spares S          hot-spare nodes, in addition to -N (default 0)
+  --supervisor-partition P
+                      run the supervisor in its own small component of a
+                      heterogeneous job in partition P, so that every
+                      training node can be replaced (default: the site's
+                      [supervisor] partition in /etc/torchpass/submit.toml
+                      or TORCHPASS_SUBMIT_CONFIG; `none`: on the node of
+                      rank 0, which cannot be replaced)
   --run-dir DIR       the job's folder on the shared file system (secret,
                       events, checkpoints, output); default:
                       ./torchpass-runs/<job-name>-<YYYYmmdd-HHMMSS>,
@@ -159,6 +176,31 @@ def _check(
     if count is None:  # refused when known (below); said when not, never silently accepted
         click.echo(partition_unknown_warning(spec, partition), err=True)
     check_partition_fits(spec, partition, count)
+    if spec.supervisor is not None and submitter.partition_node_count(spec.supervisor.partition) is None:
+        raise SubmitError(
+            f"the supervisor partition {spec.supervisor.partition!r} (from {spec.supervisor.origin}) "
+            "is not a partition Slurm knows",
+            hint="check `sinfo -s`, or give --supervisor-partition none to run the supervisor on "
+            "the node of rank 0",
+        )
+
+
+def note_marker() -> Path:
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(state) / "torchpass" / "supervisor-note-shown"
+
+
+def say_not_replaceable_once() -> None:
+    """The note, unless this user has seen it (marker file); said anyway if no marker can be made."""
+    marker = note_marker()
+    if marker.exists():
+        return
+    click.echo(NOT_REPLACEABLE_NOTE, err=True)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        pass
 
 
 @click.command(cls=SubmitCommand, help=HELP, context_settings={"help_option_names": []})
@@ -174,10 +216,22 @@ def tp_submit(app: App, argv: tuple[str, ...]) -> None:
     if request.script is not None:
         script = read_batch_script(request.script, cwd)
         check_script_interpreter(script)
-    spec = resolve_job_spec(request, script, cwd=cwd, now=datetime.now(), secret_subpath=secret_subpath())
+    site, site_path = load_site_config()
+    spec = resolve_job_spec(
+        request,
+        script,
+        cwd=cwd,
+        now=datetime.now(),
+        secret_subpath=secret_subpath(),
+        environ=os.environ,
+        site=site,
+        site_path=site_path,
+    )
     run_dir_given = _given("run-dir", request, script)
     submitter = make_submitter()
     _check(request, spec, submitter, cwd=cwd, run_dir_given=run_dir_given)
+    if spec.supervisor is None:
+        say_not_replaceable_once()
     if request.dry_run:
         click.echo("# tp-submit --dry-run: nothing was submitted, nothing was created.")
         click.echo("# The sbatch command (the script below goes to its stdin):")

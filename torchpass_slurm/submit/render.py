@@ -2,7 +2,12 @@
 
 tp-submit asks sbatch for ``--nodes=N+S --ntasks-per-node=k --no-kill`` and
 passes every option on sbatch's command line; the rendered script goes to
-sbatch's stdin. Its header exports the TORCHPASS_* variables of
+sbatch's stdin. With a supervisor partition the job is heterogeneous:
+``sbatch [component 0: the supervisor] : [component 1: the N+S training nodes]``;
+the options that belong to the whole job (time limit, account, mail, ...)
+go to component 0, from which Slurm carries them over to component 1, and
+every other option of the user (GPUs, memory, constraints) to component 1.
+The script's header exports the TORCHPASS_* variables of
 ``docs/design/runtime-contract.md``; the script's own ``#SBATCH`` lines end up
 after those ``export`` lines, where sbatch no longer reads them.
 """
@@ -18,7 +23,9 @@ from torchpass_slurm.config import (
     ENV_RUN_DIR,
     ENV_SECRET_FILE,
     ENV_SPARES,
+    ENV_TRAINING_HET_GROUP,
 )
+from torchpass_slurm.submit.options import SBATCH_OPTIONS, parse_options
 from torchpass_slurm.submit.spec import JobSpec
 
 __all__ = [
@@ -49,13 +56,61 @@ def describe_layout(spec: JobSpec) -> str:
     return text
 
 
+#: sbatch options of the whole job: given to component 0 of a heterogeneous job, Slurm
+#: carries them over to component 1 (measured for --time, --job-name, --comment).
+JOB_WIDE = frozenset(
+    [
+        "account",
+        "acctg-freq",
+        "begin",
+        "deadline",
+        "dependency",
+        "error",
+        "export",
+        "export-file",
+        "hold",
+        "kill-on-invalid-dep",
+        "mail-type",
+        "mail-user",
+        "nice",
+        "open-mode",
+        "priority",
+        "qos",
+        "quiet",
+        "requeue",
+        "no-requeue",
+        "signal",
+        "test-only",
+        "time",
+        "time-min",
+        "verbose",
+        "wait",
+        "wckey",
+    ]
+)
+#: The het group of the training nodes (the supervisor is group 0).
+TRAINING_HET_GROUP = 1
+
+
+def _header(spec: JobSpec) -> list[str]:
+    if spec.supervisor is None:
+        return [f"# sbatch gets its options on its command line (--nodes={spec.total_nodes} --no-kill ...)."]
+    return [
+        f"# A heterogeneous job: component 0 ({spec.supervisor.partition}, 1 task) runs this script,",
+        f"# the supervisor and the rendezvous store; component {TRAINING_HET_GROUP} holds the "
+        f"{spec.total_nodes} training nodes",
+        f"# (--nodes={spec.total_nodes} --no-kill ...). sbatch gets its options on its command line.",
+        f"export {ENV_TRAINING_HET_GROUP}={TRAINING_HET_GROUP}",
+    ]
+
+
 def render_batch_script(spec: JobSpec) -> str:
     """The batch script tp-submit hands to sbatch on stdin. Pure: same spec, same text."""
     q = shlex.quote
     lines = [
         spec.shebang,
         f"# Rendered by tp-submit from {spec.source}: {describe_layout(spec)}.",
-        f"# sbatch gets its options on its command line (--nodes={spec.total_nodes} --no-kill ...).",
+        *_header(spec),
         f"export {ENV_NODES}={spec.nodes}",
         f"export {ENV_SPARES}={spec.spares}",
         f"export {ENV_NTASKS_PER_NODE}={spec.ntasks_per_node}",
@@ -77,21 +132,53 @@ def run_dir_comment(run_dir: str) -> str:
     return RUN_DIR_COMMENT_PREFIX + run_dir
 
 
-def sbatch_arguments(spec: JobSpec) -> tuple[str, ...]:
-    """sbatch's options for this job (without ``--parsable``, which the Submitter adds)."""
-    args = [
-        f"--job-name={spec.job_name}",
-        f"--nodes={spec.total_nodes}",
-        f"--ntasks-per-node={spec.ntasks_per_node}",
-        "--no-kill",
+def _comment_and_output(spec: JobSpec) -> list[str]:
+    return [
         f"--output={spec.output or os.path.join(spec.run_dir, 'slurm-%j.out')}",
         f"--comment={run_dir_comment(spec.run_dir) if spec.comment is None else spec.comment}",
     ]
-    if spec.partition:
-        args.append(f"--partition={spec.partition}")
-    if spec.chdir:
-        args.append(f"--chdir={spec.chdir}")
-    return (*args, *spec.sbatch_passthrough)
+
+
+def _training_counts(spec: JobSpec) -> list[str]:
+    return [f"--nodes={spec.total_nodes}", f"--ntasks-per-node={spec.ntasks_per_node}", "--no-kill"]
+
+
+def _split_passthrough(words: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """The user's options for sbatch -> (the whole job's, the training component's), in order."""
+    whole: list[str] = []
+    training: list[str] = []
+    options, _ = parse_options(list(words), SBATCH_OPTIONS, "sbatch")
+    for option in options:
+        (whole if option.name in JOB_WIDE else training).extend(option.tokens)
+    return whole, training
+
+
+def sbatch_arguments(spec: JobSpec) -> tuple[str, ...]:
+    """sbatch's options for this job (without ``--parsable``, which the Submitter adds)."""
+    partition = [f"--partition={spec.partition}"] if spec.partition else []
+    chdir = [f"--chdir={spec.chdir}"] if spec.chdir else []
+    if spec.supervisor is None:
+        return (
+            f"--job-name={spec.job_name}",
+            *_training_counts(spec),
+            *_comment_and_output(spec),
+            *partition,
+            *chdir,
+            *spec.sbatch_passthrough,
+        )
+    whole, training = _split_passthrough(spec.sbatch_passthrough)
+    return (
+        f"--job-name={spec.job_name}",
+        *_comment_and_output(spec),
+        *chdir,
+        *spec.supervisor.sbatch_options(),
+        "--no-kill",
+        *whole,
+        ":",
+        *_training_counts(spec),
+        *partition,
+        *training,
+    )
 
 
 def sbatch_command_line(spec: JobSpec) -> str:

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from typing import Any
 
 from torchpass_slurm.errors import SubmitError
 from torchpass_slurm.submit.batch_script import BatchScript
 from torchpass_slurm.submit.command_line import SubmitRequest
 from torchpass_slurm.submit.options import COMMAND_LINE, UNDERSTOOD, Option
+from torchpass_slurm.submit.placement import SITE_CONFIG, SupervisorPlacement, resolve_placement
 
 __all__ = ["JobSpec", "absolute_path", "resolve_job_spec"]
 
@@ -48,6 +50,9 @@ class JobSpec:
     comment: str | None = None
     #: Options for sbatch that tp-submit does not interpret, as written, in order.
     sbatch_passthrough: tuple[str, ...] = field(default_factory=tuple)
+    #: The supervisor's own component of a heterogeneous job; None: the batch host is
+    #: the node of rank 0 (and cannot be replaced).
+    supervisor: SupervisorPlacement | None = None
 
     @property
     def total_nodes(self) -> int:
@@ -178,12 +183,17 @@ def resolve_job_spec(
     cwd: str,
     now: datetime,
     secret_subpath: str = ".torchpass/secret",
+    environ: Mapping[str, str] | None = None,
+    site: Mapping[str, Any] | None = None,
+    site_path: str = str(SITE_CONFIG),
 ) -> JobSpec:
     """Merge the command line over the script's directives and decide every value (pure).
 
     ``cwd`` is the directory tp-submit runs in, ``now`` names the default run dir,
     ``secret_subpath`` is where :func:`~torchpass_slurm.control.secret.create_secret`
-    will put the secret in the run dir.
+    will put the secret in the run dir. ``environ`` and ``site`` (the site file's
+    ``[supervisor]`` table, read from ``site_path``) place the supervisor
+    (:func:`~torchpass_slurm.submit.placement.resolve_placement`).
     """
     options = (*(script.directives if script else ()), *request.options)
     _refuse_unsupported(options)
@@ -208,6 +218,9 @@ def resolve_job_spec(
         chdir=_value(options, "chdir"),
         comment=_value(options, "comment"),
         sbatch_passthrough=passthrough,
+        supervisor=resolve_placement(
+            _value(options, "supervisor-partition"), environ or {}, site or {}, site_path
+        ),
     )
     if script is not None:
         return replace(spec, shebang=script.shebang, body=script.body, script_args=request.script_args)

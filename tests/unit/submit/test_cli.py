@@ -54,11 +54,19 @@ class Outcome:
 
 
 @pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeSubmitter:
+def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+         tmp_path_factory: pytest.TempPathFactory) -> FakeSubmitter:
     submitter = FakeSubmitter()
     monkeypatch.setattr(cli, "make_submitter", lambda: submitter)
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("SBATCH_PARTITION", raising=False)
+    monkeypatch.delenv("TORCHPASS_SUPERVISOR_PARTITION", raising=False)
+    outside = tmp_path_factory.mktemp("home")  # not in the job's folder, which tests list
+    monkeypatch.setenv("TORCHPASS_SUBMIT_CONFIG", str(outside / "no-site-config.toml"))
+    # this user has seen the note about the batch host (tests of the note make their own)
+    monkeypatch.setenv("XDG_STATE_HOME", str(outside / "state"))
+    cli.note_marker().parent.mkdir(parents=True)
+    cli.note_marker().touch()
     (tmp_path / "train.sh").write_text(SCRIPT)
     return submitter
 
