@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,8 +37,10 @@ def build_supervisor(
     recovery: str = "live",
 ) -> Supervisor:
     slurm = select_backend()
-    job = slurm.job(job_id)
-    nodes = _ordered_nodes(job.nodes, job.batch_host)
+    training_job_id, step_args = training_component(job_id, os.environ)
+    job = slurm.job(training_job_id)
+    # the supervisor off the training nodes: every node may be a spare, rank 0's too
+    nodes = list(job.nodes) if step_args else _ordered_nodes(job.nodes, job.batch_host)
     n_active = cfg.env_int(cfg.ENV_NODES, len(nodes) - spares, minimum=1)
     if n_active + spares > len(nodes):
         raise ConfigError(
@@ -59,16 +61,18 @@ def build_supervisor(
     config = cfg.SupervisorConfig.from_env()
     launcher = StepLauncher(
         slurm,
-        job_id=job_id,
+        job_id=training_job_id,
         command=command,
         control_endpoint=server.endpoint,
         base_env=env,
         heartbeat_per_node_from=config.heartbeat_per_node_from,
+        step_args=step_args,
     )
     events = EventLog(run_dir / EVENTS_FILE, job=str(job_id), epoch=membership.epoch)
     logger.info(
-        "supervising job %d: active %s, spares %s, control %s",
+        "supervising job %d%s: active %s, spares %s, control %s",
         job_id,
+        f" (training nodes: component {training_job_id}, the supervisor on {host})" if step_args else "",
         ",".join(membership.active),
         ",".join(membership.spares) or "-",
         server.endpoint,
@@ -77,7 +81,7 @@ def build_supervisor(
         membership.active + membership.spares, port=config.probe_port, timeout=config.probe_timeout
     )
     supervisor = Supervisor(
-        job_id=job_id,
+        job_id=training_job_id,
         run_dir=run_dir,
         membership=membership,
         launcher=launcher,
@@ -92,6 +96,26 @@ def build_supervisor(
     )
     supervisor.keepalive = store  # the store lives as long as the supervisor
     return supervisor
+
+
+def training_component(job_id: int, environ: Mapping[str, str]) -> tuple[int, tuple[str, ...]]:
+    """The job id that holds the training nodes, and the srun options that reach them.
+
+    tp-submit's heterogeneous job says which het group holds them
+    (``TORCHPASS_TRAINING_HET_GROUP``); Slurm gives that component its own job id
+    (``SLURM_JOB_ID_HET_GROUP_<g>``), which is the one ``scontrol update`` shrinks.
+    """
+    group = environ.get(cfg.ENV_TRAINING_HET_GROUP)
+    if not group:
+        return job_id, ()
+    component = environ.get(f"SLURM_JOB_ID_HET_GROUP_{group}")
+    if not (group.isdigit() and component and component.isdigit()):
+        raise ConfigError(
+            f"{cfg.ENV_TRAINING_HET_GROUP}={group} but this job has no het group {group} "
+            f"(SLURM_JOB_ID_HET_GROUP_{group}={component!r})",
+            hint="submit with tp-submit --supervisor-partition, or unset the variable",
+        )
+    return int(component), (f"--het-group={group}",)
 
 
 #: How long the job's rendezvous store waits on one request from a rank.

@@ -143,8 +143,12 @@ class StepLauncher:
         base_env: Mapping[str, str],
         clock: Clock = time,
         heartbeat_per_node_from: int | None = None,
+        step_args: Sequence[str] = (),
     ) -> None:
         self.slurm = slurm
+        #: srun options of every step, e.g. ``--het-group=1`` (the training component of a
+        #: heterogeneous job whose component 0 runs the supervisor)
+        self.step_args = tuple(step_args)
         self.clock = clock
         self.job_id = job_id
         self.command = tuple(command)
@@ -189,7 +193,7 @@ class StepLauncher:
             node=node,
             ntasks=membership.ntasks_per_node,
             job_name=f"tp-{role}-{node}-e{membership.epoch}",
-            extra_args=("--kill-on-bad-exit=0",),
+            extra_args=("--kill-on-bad-exit=0", *self.step_args),
             env=env,
         )
         logger.info("launched %s step on %s (epoch %d, pid %d)", role, node, membership.epoch, process.pid)
