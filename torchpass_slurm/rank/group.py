@@ -58,6 +58,7 @@ __all__ = [
     "socket_inodes",
     "group_sockets",
     "adopt_group",
+    "adopt_subgroup_sockets",
     "destroy_group",
     "release_references",
     "superseding",
@@ -187,6 +188,19 @@ def adopt_group(epoch: int, sockets: tuple[GroupSocket, ...] = ()) -> None:
     global _live
     with _lock:
         _live = _Live(dist.group.WORLD, epoch, sockets)
+
+
+def adopt_subgroup_sockets(sockets: tuple[GroupSocket, ...]) -> int:
+    """Add to the live group's record the sockets of groups built over it (a DeviceMesh's
+    sub-groups: ``new_group`` connects a gloo mesh of its own), so that an abort shuts them
+    down too. A rank of a sharded job blocks in a sub-group's collective on a survivor that has
+    left it, never on the default group's sockets. How many sockets the record now holds."""
+    with _lock:
+        if _live is None:
+            return 0
+        known = {s.inode for s in _live.sockets}
+        _live.sockets = _live.sockets + tuple(s for s in sockets if s.inode not in known)
+        return len(_live.sockets)
 
 
 def destroy_group(log: logging.LoggerAdapter[logging.Logger]) -> None:

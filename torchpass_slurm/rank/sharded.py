@@ -39,7 +39,7 @@ from torchpass_slurm.control.bodies import PromoteMode, Reconfigure
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.errors import TransferError
 from torchpass_slurm.rank.elastic import RENDEZVOUS_TIMEOUT, ElasticTrainer, collective_timeout
-from torchpass_slurm.rank.group import destroy_group
+from torchpass_slurm.rank.group import adopt_subgroup_sockets, destroy_group, group_sockets, socket_inodes
 from torchpass_slurm.rank.layout import MeshLayout
 from torchpass_slurm.rank.runtime import Runtime
 from torchpass_slurm.rank.shard_handover import LeavingDonor, ShardHandover, shard_meta
@@ -186,7 +186,13 @@ class ShardedTrainer(ElasticTrainer):
             )
         self.model = self.optimizer = cast(Any, None)  # the old epoch's go with their mesh
         self.ddp_model = cast(Any, None)
+        before = socket_inodes()
         self.mesh = init_device_mesh(self.device_type, self.layout.shape, mesh_dim_names=self.layout.dims)
+        if self.backend == "gloo":  # the sub-groups' own sockets: the abort must reach them too
+            info = self.rt.info
+            stores = {int(info.store_port or 0), int(info.master_port or 0)} if info is not None else set()
+            recorded = adopt_subgroup_sockets(group_sockets(before, exclude_ports=stores))
+            self.rt.log.debug("mesh %s built; %d sockets recorded for an abort", self.layout.shape, recorded)
         self.model, self.optimizer = self.build(self.mesh)
         self.ddp_model = self.model
 
