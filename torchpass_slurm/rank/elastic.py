@@ -338,6 +338,8 @@ class ElasticTrainer:
             raise exc  # a bug, or no supervisor to reconfigure the group (plain srun/torchrun)
         self.rt.state = Phase.RECOVERING
         self.rt.log.warning("collective failed at step %d: %s", self.step, str(exc)[:200])
+        if self.rank_state is not None:  # the step's batch may be drawn without a copy taken
+            self.rank_state.forget_held()
         self._tear_down(exc)
         self.rt.report(
             ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(exc)[:200], epoch=self.rt.epoch

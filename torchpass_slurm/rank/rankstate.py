@@ -77,6 +77,12 @@ class RankState:
         if self.rt.role is not Role.PLAIN:
             self.rt.outbox.put((Kind.RANK_STATE, {"rank": self.rt.rank, "step": tag, "state": copy}))
 
+    def forget_held(self) -> None:
+        """The objects may hold a state no copy has (a step failed after its batch was drawn and
+        before the capture: in FSDP2's own pre-forward all-gather, say): the next
+        :meth:`restore` loads a copy even of the step they were tagged with."""
+        self.tag = None
+
     def restore(self, step: int, offered: Sequence[tuple[int, Mapping[str, Any]]] = ()) -> None:
         """Make the objects hold the state of committed step ``step``: from this rank's own copies, else
         from ``offered`` (a promotion's). Raise RankStateError (after telling the supervisor) if none is."""

@@ -215,9 +215,12 @@ class ShardedTrainer(ElasticTrainer):
         super()._release(body)
 
     def _wrap(self) -> None:
-        """FSDP2 wraps in ``build``; the model's forward starts its collectives (SYNC)."""
+        """FSDP2 wraps in ``build``; the model's forward starts its collectives (SYNC), in a
+        pre-forward hook of FSDP2's own, so this rank's hook must run before it: the rank state
+        copy of the step leaves before the step's first collective."""
         self.ddp_model = self.model
-        self.model.register_forward_pre_hook(self._forward_called)
+        # first of the pre-forward hooks: FSDP2's own all-gathers in one registered before it
+        self.model.register_forward_pre_hook(self._forward_called, prepend=True)
 
 
 def _shapes(state: Any, path: str = "") -> dict[str, tuple[int, ...]]:

@@ -96,6 +96,24 @@ def test_after_a_discarded_step_the_rank_goes_back_to_its_own_copy_of_the_agreed
     assert sent(rt) == []  # already there: nothing to do
 
 
+def test_a_step_that_failed_before_its_capture_is_rewound_too() -> None:
+    """FSDP2 all-gathers in its own pre-forward hook: a step can fail after its batch was drawn
+    and before any capture. The objects are then ahead of their tag; the failure path forgets
+    what they hold, so the restore of the agreed step rewinds them."""
+    rt, _ = runtime()
+    loader = ShardLoader(1, 2)
+    rs = RankState(rt, {"data": loader})
+    for step in range(3):
+        loader.next_batch()
+        rs.capture(step + 1)
+    loader.next_batch()  # step 3's batch; its collective fails before the capture
+    drawn = loader.state_dict()["position"]
+    rs.forget_held()
+    rs.restore(3)
+    assert loader.state_dict()["position"] < drawn and rs.tag == 3
+    assert loader.state_dict() == rs._copies[-1][1]["data"]
+
+
 def test_a_spare_loads_the_promotions_copy_of_the_agreed_step() -> None:
     rt, _ = runtime()
     loader = ShardLoader(1, 2)
