@@ -13,8 +13,8 @@ position is tiny_gpt's, a function of (seed, step, rank), or with ``--loader sta
 per-rank :class:`tiny_gpt.FilteredLoader` whose position only its state says: it is the
 trainer's ``rank_state``, which a spare receives from the supervisor. ``--sample-log DIR``
 appends every committed step's sample ids to ``DIR/samples-rank<R>.jsonl`` (one file per
-logical rank, written by whichever process holds the rank), to compare runs sample by sample. Checkpoints (``--ckpt-every``) are
-per-rank shard files (``rank/shard_checkpoint.py``). The last line,
+logical rank, written by whichever process holds the rank), to compare runs sample by sample.
+Checkpoints (``--ckpt-every``) are per-rank shard files (``rank/shard_checkpoint.py``). The last line,
 ``done step=<N> loss=<x> params_sha256=<hash>``, hashes the full parameters AND the full
 optimizer state, gathered once at the end, so a migrated run can be compared with a
 fault-free one.
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                    help="step: the data position is the step (default); stateful: a filtered "
                         "per-rank stream whose position is rank state")
     p.add_argument("--sample-log", type=Path, help="append each committed step's sample ids here "
-                   "(DIR/samples-rank<R>.jsonl)")
+                   "(DIR/samples-rank<R>.jsonl; a relative DIR is in $TORCHPASS_RUN_DIR when set)")
     known, rest = p.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         p.print_help()
@@ -122,6 +122,9 @@ def log_samples(folder: Path, rank: int, step: int, ids: list[int]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args, own = parse_args(argv)
     layout: MeshLayout = own.mesh
+    run_dir = os.environ.get("TORCHPASS_RUN_DIR")
+    if own.sample_log is not None and not own.sample_log.is_absolute() and run_dir:
+        own.sample_log = Path(run_dir) / own.sample_log
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     rt = runtime.Runtime.from_env()
