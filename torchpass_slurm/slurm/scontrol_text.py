@@ -83,6 +83,9 @@ def parse_scontrol_job(text: str) -> Job:
     """The job in ``scontrol -o show job ID`` output."""
     what = "scontrol show job output"
     records = parse_records(text, what)
+    if len(records) > 1 and len({r.get("HetJobId") for r in records} - {None, ""}) == 1:
+        # a heterogeneous job's leader lists every component: the id names component 0
+        records = [r for r in records if r.get("HetJobOffset") == "0"] or records
     if len(records) != 1:
         raise SlurmParseError(what, f"expected one job, got {len(records)}", excerpt=text)
     rec = records[0]

@@ -92,3 +92,11 @@ def test_malformed_node() -> None:
     with pytest.raises(SlurmParseError) as info:
         parse_scontrol_nodes("NodeName=n1 CPUTot=2")
     assert info.value.detail == "missing State="
+
+
+def test_a_heterogeneous_job_is_its_leader() -> None:
+    """``scontrol -o show job LEADER`` of tp-submit's heterogeneous job (recorded on 24.11.5) lists
+    both components; the leader's id names component 0, the supervisor's (s1)."""
+    job = parse_scontrol_job(fixture_text("24.11", "scontrol_show_job_hetjob.txt"))
+    assert (job.job_id, job.nodes, job.partition, job.batch_host) == (8, ("s1",), "service", "s1")
+    assert job.comment == "torchpass:run_dir=/shared/runs/d2e59aa3"
