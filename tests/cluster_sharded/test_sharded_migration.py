@@ -125,7 +125,7 @@ def test_a_pure_fsdp_drain_hands_the_leaving_ranks_shards_to_the_spare_live(
         healthy_cluster: Cluster, reference: dict[str, Run]) -> None:
     c = healthy_cluster
     job = submit_logged(c, "1x4")
-    job.wait_step(5)
+    job.wait_step(2)  # the supervisor sees a drain seconds later, and switches a few steps after
     node = c.tp_victim(job.job_id)
     c.exec("ctl", "scontrol", "update", f"nodename={node}", "state=drain", "reason=maintenance window")
     wait_for(lambda: c.node_states()[node] == "drained", timeout=120,

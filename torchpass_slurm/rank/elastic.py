@@ -271,8 +271,23 @@ class ElasticTrainer:
             switch = self._planned_switch_due()
             if switch is not None:
                 self._reconfigure(switch)
+        if not self.released:
+            self._switch_at_the_end()
         self.rt.state = Phase.RUNNING
         return loss
+
+    def _switch_at_the_end(self) -> None:
+        """A drain announced too close to the end for its switch step (past the last step)
+        switches once the last step is committed: the spare holds the rank when the job ends,
+        and the drained node leaves live instead of the spare waiting for a group that never
+        forms (its recovery stalls into a restart)."""
+        self._collect_reconfigures()
+        switch = self._take_pending(lambda b: b.planned)
+        if switch is not None:
+            self.rt.log.info(
+                "the switch after step %s is past the last step: switching now", switch.switch_after
+            )
+            self._reconfigure(switch)
 
     def _planned_switch_due(self) -> Reconfigure | None:
         """A planned migration whose switch step this rank has committed, if any.

@@ -59,6 +59,20 @@ def test_a_rank_that_heard_late_switches_at_once() -> None:
     assert t._planned_switch_due() == planned(1, 5)
 
 
+def test_a_switch_announced_past_the_last_step_happens_at_the_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = StubRuntime()
+    rt.log = logging.getLogger("test")  # type: ignore[attr-defined]
+    t = trainer(rt)
+    t._started = True
+    t.step = 16
+    rt.reconfigures.put(planned(1, switch_after=17))
+    switched: list[Reconfigure] = []
+    monkeypatch.setattr(t, "_reconfigure", switched.append)
+    rt.state = None  # type: ignore[attr-defined]
+    t.fit(lambda step, model: torch.zeros(()), steps=16)
+    assert switched == [planned(1, 17)]
+
+
 def test_an_unplanned_or_old_reconfigure_is_not_a_planned_switch() -> None:
     rt = StubRuntime()
     rt.epoch = 2
