@@ -39,8 +39,10 @@ def build_supervisor(
     slurm = select_backend()
     training_job_id, step_args = training_component(job_id, os.environ)
     job = slurm.job(training_job_id)
-    # the supervisor off the training nodes: every node may be a spare, rank 0's too
-    nodes = list(job.nodes) if step_args else _ordered_nodes(job.nodes, job.batch_host)
+    if step_args:  # the supervisor off the training nodes: their first node is a spare
+        nodes = _component_head_last(job.nodes, job.batch_host)
+    else:
+        nodes = _ordered_nodes(job.nodes, job.batch_host)
     n_active = cfg.env_int(cfg.ENV_NODES, len(nodes) - spares, minimum=1)
     if n_active + spares > len(nodes):
         raise ConfigError(
@@ -139,6 +141,22 @@ def _host_store(host: str) -> Any:
             host,
         )
         return None
+
+
+def _component_head_last(nodes: Sequence[str], head: str | None) -> list[str]:
+    """The training component's first node last, so that it starts as a spare.
+
+    Slurm gives each component of a heterogeneous job a batch host of its own, its first
+    node, and refuses to shrink the component without it ("You cannot remove the batch host
+    from a job when resizing", measured on 24.11.5); a node that cannot be released is best
+    a spare, where a rank lives only once the other spares are used up.
+    """
+    ordered = list(nodes)
+    head = head if head in ordered else (ordered[0] if ordered else None)
+    if head is not None:
+        ordered.remove(head)
+        ordered.append(head)
+    return ordered
 
 
 def _ordered_nodes(nodes: Sequence[str], batch_host: str | None) -> list[str]:

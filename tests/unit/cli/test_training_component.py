@@ -22,3 +22,10 @@ def test_a_het_group_the_job_does_not_have_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"TORCHPASS_TRAINING_HET_GROUP=1 but this job has no het "
                                           r"group 1 \(SLURM_JOB_ID_HET_GROUP_1=None\)"):
         training_component(7, {"TORCHPASS_TRAINING_HET_GROUP": "1"})
+
+
+def test_the_components_first_node_starts_as_the_last_spare() -> None:
+    from torchpass_slurm.cli.run_setup import _component_head_last
+
+    assert _component_head_last(["c1", "c2", "c3", "c4"], "c1") == ["c2", "c3", "c4", "c1"]
+    assert _component_head_last(["c1", "c2"], None) == ["c2", "c1"]
