@@ -34,10 +34,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import jobs  # noqa: E402
-from scripts import devcluster  # noqa: E402
-from torchpass_slurm.analysis.report_totals import job_json  # noqa: E402
-from torchpass_slurm.cli.report import load_report  # noqa: E402
+from benchmarks import jobs
+from scripts import devcluster
+from torchpass_slurm.analysis.report_totals import job_json
+from torchpass_slurm.cli.report import load_report
 
 HSDP_SCRIPT = "/src/sbatch-examples/tiny_gpt_hsdp_tp.sbatch"
 #: The model of every run: 4 layers of d_model 128 (about 0.9 M parameters).
@@ -124,12 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train = [*MODEL, "--steps", str(args.steps), "--ckpt-every", "10"]
         at = args.fault_at
-        kill = jobs.kill_node(jobs.tp_victim)
+        kill, drain = jobs.kill_node(jobs.tp_victim), jobs.drain_node(jobs.tp_victim)
         runs = [
             {**one("ddp", jobs.TP_SCRIPT, train, kill, at), "fault": "node powered off"},
-            {**one("hsdp 2x2", HSDP_SCRIPT, [*train, "--mesh", "2x2"], kill, at), "fault": "node powered off"},
-            {**one("fsdp 1x4", HSDP_SCRIPT, [*train, "--mesh", "1x4"], jobs.drain_node(jobs.tp_victim), at),
-             "fault": "admin drain"},
+            {**one("hsdp 2x2", HSDP_SCRIPT, [*train, "--mesh", "2x2"], kill, at),
+             "fault": "node powered off"},
+            {**one("fsdp 1x4", HSDP_SCRIPT, [*train, "--mesh", "1x4"], drain, at), "fault": "admin drain"},
         ]
         result: dict[str, Any] = {
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
