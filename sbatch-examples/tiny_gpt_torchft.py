@@ -41,8 +41,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import tiny_gpt  # noqa: E402  (the model, data and hashes: one implementation)
-import torch  # noqa: E402
+import tiny_gpt
+import torch
 
 #: How long a fresh start waits for every replica group's first heartbeat (seconds), so the
 #: first quorum holds all groups and a fault-free run trains on every shard from step 0.

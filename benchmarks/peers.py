@@ -1,0 +1,327 @@
+"""torchpass against its peers on one cluster, in one run: torchft, checkpoint restart, requeue.
+
+    TP_CLUSTER_FLAVOR=bookworm scripts/bench --only peers     (part of the suite)
+    TP_CLUSTER_FLAVOR=bookworm python3 -m benchmarks.peers [--json F]
+
+Four systems train the same model on the same data with the same seed and step count on
+the same 3 active nodes, with 2 spare nodes in the allocation:
+
+    torchpass  tp-submit -N 3 --spares 2 (live migration onto hot spares)
+    restart    the same with TORCHPASS_RECOVERY=restart (every rank restarts from the newest
+               checkpoint in the allocation, on a spare for a lost node)
+    requeue    sbatch --requeue -N 3 of the plain DDP training, resuming from its checkpoint
+    torchft    sbatch -N 5 sbatch-examples/tiny_gpt_torchft.sbatch: torchft 0.2.0's Lighthouse,
+               one replica group per node, a failed group restarted on its node or a spare
+
+and each meets the same faults at the same committed steps: a node powered off (two of
+them, the completion run), a rank process SIGKILLed, and an admin drain, next to a fault-free
+run of its own. Measured per run: job time (first start to end), the time from each fault to
+the next committed step, committed steps lost (a restart's rollback), steps trained by fewer
+than 3 replicas (torchft goes on without the lost group: that group's samples of those steps
+are never trained), final loss, and whether the final weights equal the system's fault-free
+run bit for bit. Then steady-state throughput, no fault and no sleep, of plain DDP,
+torchpass and torchft, alternated. Needs the bookworm flavor: torchft needs torch >= 2.7.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import jobs
+from torchpass_slurm import events as ev
+from torchpass_slurm.analysis.report_totals import job_json
+from torchpass_slurm.cli.report import load_report
+
+TORCHFT_SCRIPT = "/src/sbatch-examples/tiny_gpt_torchft.sbatch"
+SYSTEMS = ("torchpass", "torchft", "restart", "requeue")
+SYSTEM_LABELS = {"torchpass": "torchpass (live migration)", "torchft": "torchft 0.2.0",
+                 "restart": "checkpoint restart in the allocation (tp run)",
+                 "requeue": "sbatch --requeue (plain DDP)"}
+CASES = ("no_fault", "node_kill", "rank_kill", "drain")
+CASE_LABELS = {"no_fault": "no fault", "node_kill": "2 nodes powered off", "rank_kill": "rank process SIGKILLed",
+               "drain": "admin drain"}
+PATTERNS = {"torchft": "tiny_gpt_torchft.py"}
+TRAINING = "sbatch-examples/tiny_gpt.py"
+
+
+@dataclass(frozen=True)
+class PeerSizing:
+    """The runs: the suite's quick model, short jobs, the faults at fixed committed steps."""
+
+    steps: int = 24
+    step_sleep: float = 0.3
+    ckpt_every: int = 6
+    model: tuple[int, int] = (128, 2)
+    fault_at: int = 8
+    kills_at: tuple[int, int] = (8, 16)
+    spares: int = 2
+    throughput_steps: int = 60
+    throughput_rounds: int = 1
+
+    def train_args(self, steps: int, sleep: float, ckpt_every: int) -> list[str]:
+        d, layers = self.model
+        return ["--d-model", str(d), "--n-layers", str(layers), "--steps", str(steps),
+                "--ckpt-every", str(ckpt_every), "--step-sleep", str(sleep), "--log-every", "1"]
+
+
+# --- submitting, watching -------------------------------------------------------------
+
+
+def submit(system: str, args: list[str], spares: int) -> jobs.Job:
+    if system == "torchpass":
+        return jobs.submit_tp(args, spares=spares)
+    if system == "restart":
+        return jobs.submit_tp(args, spares=spares, env={"TORCHPASS_RECOVERY": "restart"})
+    if system == "requeue":
+        return jobs.submit_plain(args, requeue=True)
+    if system == "plain":
+        return jobs.submit_plain(args)
+    folder = jobs.new_folder("torchft")
+    job_id = jobs.CLUSTER.sbatch("-N", str(3 + spares), "--no-kill", "--output", f"{folder}/slurm-%j.out",
+                                 f"--export=ALL,TORCHFT_LOG_DIR={folder}", "--chdir", folder,
+                                 TORCHFT_SCRIPT, *args)
+    return jobs.Job(job_id, folder, time.monotonic())
+
+
+def torchft_records(job: jobs.Job) -> list[dict[str, Any]]:
+    """Every group's commit log, merged in time order."""
+    out: list[dict[str, Any]] = []
+    for path in sorted(jobs.CLUSTER.host_path(job.folder).glob("torchft-g*.jsonl")):
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a line being written
+    return sorted(out, key=lambda r: r["t"])
+
+
+def torchft_progress(job: jobs.Job) -> int:
+    steps = [r["step"] for r in torchft_records(job) if "quorum" in r and "event" not in r]
+    return max(steps) if steps else 0
+
+
+def torchft_victim(job: jobs.Job) -> str:
+    """The node of the highest replica group (never the batch host, where the Lighthouse is)."""
+    starts = [r for r in torchft_records(job) if r.get("event") == "start"]
+    batch = jobs.CLUSTER.job_field(job.job_id, "BatchHost")
+    nodes = [r["node"] for r in sorted(starts, key=lambda r: (r["group"], r["t"])) if r["node"] != batch]
+    if not nodes:
+        raise jobs.BenchError(f"torchft job {job.job_id} has no group outside its batch host yet")
+    return nodes[-1]
+
+
+PROGRESS: dict[str, Callable[[jobs.Job], int]] = {
+    "torchpass": jobs.tp_progress, "restart": jobs.tp_progress, "requeue": jobs.plain_progress,
+    "plain": jobs.plain_progress, "torchft": torchft_progress}
+VICTIM: dict[str, Callable[[jobs.Job], str]] = {
+    "torchpass": jobs.tp_victim, "restart": jobs.tp_victim, "requeue": jobs.plain_victim,
+    "torchft": torchft_victim}
+
+
+class StepClock:
+    """When each new committed step was first seen (wall clock): the requeue run's only timing."""
+
+    def __init__(self, progress: Callable[[jobs.Job], int]) -> None:
+        self.progress, self.last, self.seen = progress, -1, []
+
+    def __call__(self, job: jobs.Job) -> int:
+        step = self.progress(job)
+        if step != self.last:
+            self.seen.append((time.time(), step))
+            self.last = step
+        return step
+
+
+def injector(kind: str, system: str) -> jobs.Injector:
+    def inject(job: jobs.Job) -> dict[str, Any]:
+        node, wall = VICTIM[system](job), time.time()
+        if kind == "kill":
+            jobs.CLUSTER.kill(node)
+        elif kind == "drain":
+            jobs.on("ctl", "scontrol", "update", f"nodename={node}", "state=drain", "reason=bench: maintenance")
+        else:
+            jobs.on(node, "pkill", "-KILL", "-f", PATTERNS.get(system, TRAINING), check=False)
+        return {"kind": kind, "node": node, "wall": wall}
+    return inject
+
+
+# --- one run's numbers -------------------------------------------------------------------
+
+
+def run_case(system: str, case: str, size: PeerSizing) -> dict[str, Any]:
+    args = size.train_args(size.steps, size.step_sleep, size.ckpt_every)
+    plan: list[tuple[int, jobs.Injector]] = {
+        "no_fault": [], "node_kill": [(at, injector("kill", system)) for at in size.kills_at],
+        "rank_kill": [(size.fault_at, injector("rank-kill", system))],
+        "drain": [(size.fault_at, injector("drain", system))]}[case]
+    jobs.wait_idle()
+    jobs.progress(f"peers: {system}, {CASE_LABELS[case]}")
+    clock = StepClock(PROGRESS[system])
+    job = submit(system, args, size.spares)
+    try:
+        jobs.run(job, clock, plan)
+    except jobs.BenchError as err:  # a system that does not survive a fault is a result
+        jobs.progress(f"  {err}")
+        job.ended = job.ended or time.monotonic()
+    out: dict[str, Any] = {"job": job.job_id, "state": job.state, "folder": job.folder,
+                           "seconds": round(job.seconds, 2), "timeline": job.timeline,
+                           "injected": job.faults, **outcome(system, job, clock, size)}
+    jobs.restart_nodes([f["node"] for f in job.faults if f["kind"] == "kill"])
+    return out
+
+
+def outcome(system: str, job: jobs.Job, clock: StepClock, size: PeerSizing) -> dict[str, Any]:
+    walls = [f["wall"] for f in job.faults]
+    if system == "torchft":
+        return torchft_outcome(job, walls, size)
+    text = job.output()
+    done = jobs.DONE_LINE.search(text)
+    result: dict[str, Any] = {"final_loss": done.group(2) if done else None,
+                              "params_sha256": done.group(3) if done else None, "fewer_replica_steps": 0}
+    if system == "requeue":
+        starts = [int(s) for s in jobs.START_LINE.findall(text)]
+        computed = sum(1 for _ in jobs.STEP_LINE.finditer(text))
+        result.update(recoveries_s=[_after(clock.seen, w, lambda s, w=w: True) for w in walls],
+                      starts_at_steps=starts, lost_steps=max(0, computed - size.steps) if done else None,
+                      resolutions=["requeue" if len(starts) > 1 else "-"] * len(walls))
+        return result
+    report = job_json(load_report(jobs.CLUSTER.host_path(job.folder)))
+    events = ev.read_events(jobs.CLUSTER.host_path(f"{job.folder}/{ev.EVENTS_FILE}"))
+    firsts = [(e.ts, 0) for e in events if e.kind == ev.FIRST_STEP]
+    faults = report.get("faults", [])
+    result.update(recoveries_s=[_after(firsts, w, lambda s: True) for w in walls],
+                  lost_steps=sum(int(f.get("lost_steps") or 0) for f in faults),
+                  resolutions=[f.get("resolution") for f in faults], report_faults=faults)
+    return result
+
+
+def _after(seen: Sequence[tuple[float, int]], wall: float, ok: Callable[[int], bool]) -> float | None:
+    t = next((t for t, s in seen if t > wall and ok(s)), None)
+    return None if t is None else round(t - wall, 2)
+
+
+def torchft_outcome(job: jobs.Job, walls: list[float], size: PeerSizing) -> dict[str, Any]:
+    records = torchft_records(job)
+    commits = [r for r in records if "quorum" in r and "event" not in r]
+    dones = [r for r in records if "done" in r]
+    recov, full = [], []
+    for wall in walls:
+        before = [c for c in commits if c["t"] <= wall]
+        quorum = before[-1]["quorum"] if before else None
+        after = [c for c in commits if c["t"] > wall]
+        changed = [c for c in after if c["quorum"] != quorum] or after
+        recov.append(round(changed[0]["t"] - wall, 2) if changed else None)
+        short = [c for c in after if c["participants"] < 3]
+        back = [c for c in after if short and c["t"] > short[0]["t"] and c["participants"] >= 3]
+        full.append(round(back[0]["t"] - wall, 2) if back else None)
+    by_step: dict[int, int] = {}
+    for c in commits:
+        by_step[c["step"]] = max(by_step.get(c["step"], 0), c["participants"])
+    hashes = {d["params_sha256"] for d in dones}
+    losses = [d["loss"] for d in dones]
+    restarts = [r for r in records if r.get("event") == "start" and r.get("restart", 0) > 0]
+    return {"recoveries_s": recov, "full_strength_s": full, "lost_steps": 0,
+            "fewer_replica_steps": sum(1 for p in by_step.values() if p < 3),
+            "final_loss": f"{statistics.fmean(losses):.4f}" if losses else None,
+            "params_sha256": hashes.pop() if len(hashes) == 1 else (None if not hashes else "differ"),
+            "groups_done": len(dones), "group_restarts": [(r["group"], r["node"]) for r in restarts],
+            "resolutions": ["group restarted" if restarts else "none"] * len(walls)}
+
+
+# --- throughput --------------------------------------------------------------------------------
+
+
+def throughput(size: PeerSizing) -> dict[str, Any]:
+    args = size.train_args(size.throughput_steps, 0.0, 0)
+    runs: dict[str, list[float]] = {"plain": [], "torchpass": [], "torchft": []}
+    for i in range(size.throughput_rounds):
+        for system in runs:
+            jobs.wait_idle()
+            jobs.progress(f"peers: throughput, {system} (round {i + 1})")
+            job = jobs.run(submit(system, args, size.spares), PROGRESS[system])
+            line = jobs.THROUGHPUT_LINE.search(job.output())
+            if not line:
+                raise jobs.BenchError(f"{system} job {job.job_id} ended {job.state} without a throughput line")
+            runs[system].append(float(line.group(3)))
+    median = {s: statistics.median(v) for s, v in runs.items()}
+    return {"train_args": args, "runs": runs, "median_tokens_per_s": median,
+            "against_plain": {s: round(median[s] / median["plain"], 3) for s in runs}}
+
+
+def peers(size: PeerSizing | None = None) -> dict[str, Any]:
+    size = size or PeerSizing()
+    out: dict[str, Any] = {"sizing": size.__dict__ | {"model": list(size.model), "kills_at": list(size.kills_at)},
+                           "train_args": size.train_args(size.steps, size.step_sleep, size.ckpt_every),
+                           "throughput": throughput(size), "systems": {}}
+    for system in SYSTEMS:
+        out["systems"][system] = {case: run_case(system, case, size) for case in CASES}
+        for case, run in out["systems"][system].items():
+            ref = out["systems"][system]["no_fault"]["params_sha256"]
+            run["bitwise_equal_to_no_fault"] = bool(ref) and run["params_sha256"] == ref
+    return out
+
+
+# --- tables -----------------------------------------------------------------------------------
+
+
+def _s(value: Any, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def job_seconds(run: dict[str, Any]) -> float:
+    started = next((t for t, state in run["timeline"] if state == "RUNNING"), 0.0)
+    return float(run["seconds"]) - started
+
+
+def tables(r: dict[str, Any]) -> str:
+    t = r["throughput"]
+    lines = ["| system | tokens/s | against plain DDP |", "|---|---|---|"]
+    for s, v in t["median_tokens_per_s"].items():
+        lines.append(f"| {s} | {v:.0f} | {100 * t['against_plain'][s]:.1f} % |")
+    lines += ["", "| system | fault | end | job time (s) | over no fault (s) | fault to next committed step (s) "
+              "| committed steps lost | steps with < 3 replicas | final loss | bitwise = no fault |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for system, cases in r["systems"].items():
+        base = job_seconds(cases["no_fault"])
+        for case, run in cases.items():
+            secs = job_seconds(run)
+            rec = ", ".join(_s(x) for x in run.get("recoveries_s") or []) or "-"
+            lines.append(f"| {SYSTEM_LABELS[system]} | {CASE_LABELS[case]} | {run['state']} | {secs:.1f} | "
+                         f"{'-' if case == 'no_fault' else f'{secs - base:+.1f}'} | {rec} | "
+                         f"{run.get('lost_steps', '-')} | {run.get('fewer_replica_steps', '-')} | "
+                         f"{run.get('final_loss') or '-'} | {'yes' if run['bitwise_equal_to_no_fault'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m benchmarks.peers", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "peers.json")
+    p.add_argument("--rounds", type=int, default=1, help="throughput rounds (default 1)")
+    a = p.parse_args(argv)
+    cluster = jobs.CLUSTER
+    started = not cluster.is_up()
+    if started:
+        cluster.up()
+    try:
+        result = peers(PeerSizing(throughput_rounds=a.rounds))
+    finally:
+        if started:
+            cluster.down()
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(tables(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
