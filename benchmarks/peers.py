@@ -48,8 +48,8 @@ SYSTEM_LABELS = {"torchpass": "torchpass (live migration)", "torchft": "torchft 
                  "restart": "checkpoint restart in the allocation (tp run)",
                  "requeue": "sbatch --requeue (plain DDP)"}
 CASES = ("no_fault", "node_kill", "rank_kill", "drain")
-CASE_LABELS = {"no_fault": "no fault", "node_kill": "2 nodes powered off", "rank_kill": "rank process SIGKILLed",
-               "drain": "admin drain"}
+CASE_LABELS = {"no_fault": "no fault", "node_kill": "2 nodes powered off",
+               "rank_kill": "rank process SIGKILLed", "drain": "admin drain"}
 PATTERNS = {"torchft": "tiny_gpt_torchft.py"}
 TRAINING = "sbatch-examples/tiny_gpt.py"
 
@@ -148,7 +148,8 @@ def injector(kind: str, system: str) -> jobs.Injector:
         if kind == "kill":
             jobs.CLUSTER.kill(node)
         elif kind == "drain":
-            jobs.on("ctl", "scontrol", "update", f"nodename={node}", "state=drain", "reason=bench: maintenance")
+            jobs.on("ctl", "scontrol", "update", f"nodename={node}", "state=drain",
+                    "reason=bench: maintenance")
         else:
             jobs.on(node, "pkill", "-KILL", "-f", PATTERNS.get(system, TRAINING), check=False)
         return {"kind": kind, "node": node, "wall": wall}
@@ -251,7 +252,8 @@ def throughput(size: PeerSizing) -> dict[str, Any]:
             job = jobs.run(submit(system, args, size.spares), PROGRESS[system])
             line = jobs.THROUGHPUT_LINE.search(job.output())
             if not line:
-                raise jobs.BenchError(f"{system} job {job.job_id} ended {job.state} without a throughput line")
+                raise jobs.BenchError(f"{system} job {job.job_id} ended {job.state} "
+                                      "without a throughput line")
             runs[system].append(float(line.group(3)))
     median = {s: statistics.median(v) for s, v in runs.items()}
     return {"train_args": args, "runs": runs, "median_tokens_per_s": median,
@@ -260,12 +262,13 @@ def throughput(size: PeerSizing) -> dict[str, Any]:
 
 def peers(size: PeerSizing | None = None) -> dict[str, Any]:
     size = size or PeerSizing()
-    out: dict[str, Any] = {"sizing": size.__dict__ | {"model": list(size.model), "kills_at": list(size.kills_at)},
+    sizing = size.__dict__ | {"model": list(size.model), "kills_at": list(size.kills_at)}
+    out: dict[str, Any] = {"sizing": sizing,
                            "train_args": size.train_args(size.steps, size.step_sleep, size.ckpt_every),
                            "throughput": throughput(size), "systems": {}}
     for system in SYSTEMS:
         out["systems"][system] = {case: run_case(system, case, size) for case in CASES}
-        for case, run in out["systems"][system].items():
+        for run in out["systems"][system].values():
             ref = out["systems"][system]["no_fault"]["params_sha256"]
             run["bitwise_equal_to_no_fault"] = bool(ref) and run["params_sha256"] == ref
     return out
@@ -288,8 +291,9 @@ def tables(r: dict[str, Any]) -> str:
     lines = ["| system | tokens/s | against plain DDP |", "|---|---|---|"]
     for s, v in t["median_tokens_per_s"].items():
         lines.append(f"| {s} | {v:.0f} | {100 * t['against_plain'][s]:.1f} % |")
-    lines += ["", "| system | fault | end | job time (s) | over no fault (s) | fault to next committed step (s) "
-              "| committed steps lost | steps with < 3 replicas | final loss | bitwise = no fault |",
+    lines += ["", "| system | fault | end | job time (s) | over no fault (s) "
+              "| fault to next committed step (s) | committed steps lost | steps with < 3 replicas "
+              "| final loss | bitwise = no fault |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for system, cases in r["systems"].items():
         base = job_seconds(cases["no_fault"])
@@ -299,7 +303,8 @@ def tables(r: dict[str, Any]) -> str:
             lines.append(f"| {SYSTEM_LABELS[system]} | {CASE_LABELS[case]} | {run['state']} | {secs:.1f} | "
                          f"{'-' if case == 'no_fault' else f'{secs - base:+.1f}'} | {rec} | "
                          f"{run.get('lost_steps', '-')} | {run.get('fewer_replica_steps', '-')} | "
-                         f"{run.get('final_loss') or '-'} | {'yes' if run['bitwise_equal_to_no_fault'] else 'no'} |")
+                         f"{run.get('final_loss') or '-'} | "
+                         f"{'yes' if run['bitwise_equal_to_no_fault'] else 'no'} |")
     return "\n".join(lines)
 
 

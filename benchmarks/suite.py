@@ -1,6 +1,7 @@
 """The benchmark suite: every comparison on the dockerized cluster, in one run.
 
-    scripts/bench [--quick] [--only overhead,recovery,detection,completion,transfer]
+    scripts/bench [--quick] [--only overhead,recovery,detection,completion,transfer,peers]
+    scripts/bench --campaign N [--campaign-seed S]   N faults of six classes (benchmarks/campaign.py)
     python3 -m benchmarks.suite ...   (the same; scripts/bench checks the Python environment first)
 
 It starts the dockerized cluster if it is not running, and then takes it down again.
@@ -25,11 +26,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks import detection, jobs, render, runs
+from benchmarks import campaign, detection, jobs, peers, render, runs
 from scripts.devcluster import ClusterError
 
 PARTS = {"overhead": runs.overhead, "recovery": runs.recovery, "detection": detection.detection,
          "completion": runs.completion, "transfer": runs.transfer}
+#: Parts run only when asked for with --only (peers needs the bookworm flavor: torchft needs torch >= 2.7).
+OPTIONAL_PARTS = {"peers": lambda size: peers.peers()}
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "suite.json"
 
 
@@ -45,12 +48,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "3 active and one spare per failure)")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
     p.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md and docs/img")
+    p.add_argument("--campaign", type=int, metavar="N", nargs="?", const=50, default=None,
+                   help="instead of the parts: a fault campaign of N faults (default 50) drawn from a seeded "
+                        "generator (benchmarks/campaign.py); results in benchmarks/results/campaign.json")
+    p.add_argument("--campaign-seed", type=int, default=14, help="seed of the campaign's faults (default 14)")
     args = p.parse_args(argv)
     args.parts = [s.strip() for s in args.only.split(",") if s.strip()]
-    unknown = [s for s in args.parts if s not in PARTS]
+    unknown = [s for s in args.parts if s not in PARTS and s not in OPTIONAL_PARTS]
     if unknown or not args.parts:
         p.error(f"--only: unknown part(s) {', '.join(unknown) or '(none given)'}; "
-                f"the parts are {', '.join(PARTS)}")
+                f"the parts are {', '.join([*PARTS, *OPTIONAL_PARTS])}")
     return args
 
 
@@ -74,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ClusterError, OSError) as err:
         sys.exit(f"cannot start the test cluster: {err}")
     try:
-        return run_suite(args, results)
+        return run_campaign(args) if args.campaign else run_suite(args, results)
     finally:
         if started:
             jobs.progress("taking the cluster down again (scripts/cluster down)")
@@ -94,7 +101,7 @@ def run_suite(args: argparse.Namespace, results: dict[str, Any]) -> int:
     for part in args.parts:
         part_began = time.monotonic()
         try:
-            results[part] = PARTS[part](size)
+            results[part] = {**PARTS, **OPTIONAL_PARTS}[part](size)
         except ClusterError as err:
             sys.exit(f"benchmark part {part!r} failed: {err}")
         jobs.progress(f"{part}: done in {time.monotonic() - part_began:.0f} s")
@@ -106,6 +113,23 @@ def run_suite(args: argparse.Namespace, results: dict[str, Any]) -> int:
     else:
         print(render.render(results))
         jobs.progress(f"tables written into {render.DOC}, plots into {render.IMG_DIR}")
+    return 0
+
+
+def run_campaign(args: argparse.Namespace) -> int:
+    """scripts/bench --campaign N: the fault campaign, its table, its JSON."""
+    try:
+        jobs.wait_idle(timeout=60)
+    except (ClusterError, OSError) as err:
+        sys.exit(f"the test cluster is not idle ({err}); see `scripts/cluster status`")
+    result = campaign.campaign(args.campaign, args.campaign_seed)
+    result["environment"] = environment("campaign")
+    path = campaign.DEFAULT_JSON if args.json == DEFAULT_JSON else args.json
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(campaign.table(result))
+    print(result["tp_report_totals_only"])
+    jobs.progress(f"campaign done in {result['seconds']:.0f} s; results in {path}")
     return 0
 
 

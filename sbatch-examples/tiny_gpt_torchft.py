@@ -75,7 +75,8 @@ def start_barrier(folder: Path, group: int, groups: int) -> None:
     deadline = time.monotonic() + START_BARRIER_S
     while sum(1 for g in range(groups) if (folder / f"torchft-ready-{g}").exists()) < groups:
         if time.monotonic() > deadline:
-            raise SystemExit(f"tiny_gpt_torchft: not every replica group started within {START_BARRIER_S:.0f} s")
+            raise SystemExit(f"tiny_gpt_torchft: not every replica group started "
+                             f"within {START_BARRIER_S:.0f} s")
         time.sleep(0.1)
     time.sleep(1.0)  # the managers' heartbeats reach the Lighthouse before the first quorum
 
