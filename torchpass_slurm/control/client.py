@@ -134,6 +134,23 @@ class ControlClient:
             if left <= 0:
                 return None
 
+    def recv_or_wake(self, timeout: timedelta, wake_fd: int) -> Message | None:
+        """The next authentic message, or None after ``timeout`` or as soon as ``wake_fd`` is
+        readable: one poll, holding the lock, for the one thread that owns this client (the
+        heartbeat thread, woken by its outbox). A message that fails a check ends the wait too."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(wake_fd, zmq.POLLIN)
+        with self._lock:
+            try:
+                ready = dict(poller.poll(timeout_ms(timeout)))
+                if self._sock not in ready:
+                    return None
+                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                raise ControlPlaneError(f"cannot receive from the supervisor: {exc}") from None
+            return self._receiver.accept(frames, "the supervisor")
+
     def _recv_slice(self, wait: timedelta) -> Message | None:
         """At most one message within ``wait``, holding the lock throughout."""
         with self._lock:

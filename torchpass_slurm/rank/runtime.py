@@ -63,7 +63,9 @@ from torchpass_slurm.rank.link import (
     ControlClientLike,
     Heartbeat,
     Message,
+    Outbox,
     connect_control,
+    standby_recv,
 )
 from torchpass_slurm.rank.nodebeat import node_beat
 from torchpass_slurm.rank.rankinfo import (
@@ -132,7 +134,7 @@ class Runtime:
         self._config = config or SupervisorConfig.from_env(environ)
         self._heartbeat: Heartbeat | None = None
         #: messages for the supervisor, sent by the heartbeat thread
-        self.outbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        self.outbox: queue.Queue[tuple[str, dict[str, Any]]] = Outbox()
         #: reconfigure messages from the supervisor, for the training thread
         self.reconfigures: queue.Queue[Reconfigure] = queue.Queue()
         #: the promote message, for a promoted spare
@@ -285,7 +287,7 @@ class Runtime:
             health.close()
         hb, self._heartbeat = self._heartbeat, None
         if hb is not None:
-            hb.closing.set()
+            hb.stop()
             hb.join(CLOSE_TIMEOUT.total_seconds() + self._config.heartbeat_interval)
             if hb.is_alive():
                 self.log.warning("heartbeat thread did not stop within %s", CLOSE_TIMEOUT)
@@ -376,7 +378,7 @@ class Runtime:
         waited = datetime.timedelta(0)
         while timeout is None or waited < timeout:
             assert self._client is not None
-            msg = self._client.recv(interval)
+            msg = standby_recv(self._client, interval, self.outbox)
             waited += interval
             if msg is None:
                 self._send(Kind.HEARTBEAT, self._beat_body())
