@@ -16,7 +16,7 @@ import textwrap
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -153,7 +153,33 @@ def render_job(report: JobReport) -> RenderableType:
     if spares:
         nodes = ", ".join(f"{s.node} ({s.detector})" for s in report.spare_faults)
         parts.append(Text(f"{spares}: {nodes}"))
+    lost = supervisor_lost_line(Path(report.source))
+    if lost:
+        parts.append(Text(lost, style="red"))
     return Group(*parts)
+
+
+def supervisor_lost_line(run_dir: Path) -> str | None:
+    """Why the job ended when its supervisor died with its node (``rank/orphan.py``'s record)."""
+    from torchpass_slurm.rank.orphan import read_record
+
+    record = read_record(run_dir)
+    if record is None:
+        return None
+    return (
+        f"the job ended because its supervisor was lost at {format_time(float(record.get('ts', 0)))}: "
+        + str(record.get("detail", "no detail"))
+    )
+
+
+def with_supervisor_records(doc: dict[str, Any], reports: Sequence[JobReport]) -> dict[str, Any]:
+    """The JSON report with each job's supervisor-lost record (``supervisor_lost``, or null)."""
+    from torchpass_slurm.rank.orphan import read_record
+
+    jobs: list[dict[str, Any]] = doc.get("jobs", [doc] if "faults" in doc else [])
+    for job_doc, report in zip(jobs, reports, strict=False):
+        job_doc["supervisor_lost"] = read_record(Path(report.source))
+    return doc
 
 
 def fault_table(report: JobReport) -> Table:
@@ -353,6 +379,7 @@ def report(
     """
     reports = load_reports(jobs_or_run_dirs)
     if as_json:
-        click.echo(json.dumps(report_json(reports, totals_only=totals_only), indent=2, sort_keys=True))
+        doc = with_supervisor_records(report_json(reports, totals_only=totals_only), reports)
+        click.echo(json.dumps(doc, indent=2, sort_keys=True))
         return
     print_report(app.console, reports, totals_only=totals_only, explain=explain)

@@ -214,7 +214,16 @@ def status(app: App, job_or_run_dir: str, as_json: bool, watching: bool, interva
         watch(app, run_dir, interval)
         return
     current = read_status(run_dir)
+    from torchpass_slurm.rank.orphan import read_record
+
+    lost = read_record(run_dir)
     if as_json:
-        click.echo(status_as_json(current, clock()))
+        data = json.loads(status_as_json(current, clock()))
+        data["supervisor_lost"] = lost
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
         return
     app.console.print(render_status(current, clock()))
+    if lost is not None:
+        app.console.print(
+            f"[red]the job ended because its supervisor was lost: {lost.get('detail', '')}[/red]"
+        )

@@ -27,6 +27,7 @@ from typing import Any
 
 import zmq
 
+from torchpass_slurm.control.linkwatch import LinkWatch
 from torchpass_slurm.control.messages import (
     DEFAULT_MAX_SKEW_S,
     MAX_FRAME_BYTES,
@@ -89,6 +90,8 @@ class ControlClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         configure_socket(self._sock, limits)
         make_curve_client(self._sock, derive_keys(secret))
+        #: the connection's events: since when the supervisor is unreachable (``link_down_for``)
+        self._watch = LinkWatch(self._sock)
         try:
             self._sock.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -141,9 +144,12 @@ class ControlClient:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(wake_fd, zmq.POLLIN)
+        poller.register(self._watch.monitor, zmq.POLLIN)
         with self._lock:
             try:
                 ready = dict(poller.poll(timeout_ms(timeout)))
+                if self._watch.monitor in ready:
+                    self._watch.read()
                 if self._sock not in ready:
                     return None
                 frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
@@ -162,6 +168,12 @@ class ControlClient:
                 raise ControlPlaneError(f"cannot receive from the supervisor: {exc}") from None
             return self._receiver.accept(frames, "the supervisor")
 
+    def link_down_for(self) -> float | None:
+        """Seconds this socket has had no connection to the supervisor (after having had one),
+        or None while it has one (``control/linkwatch.py``)."""
+        with self._lock:
+            return self._watch.down_for()
+
     @property
     def rejected(self) -> int:
         """Messages received and dropped because they failed a check."""
@@ -170,6 +182,7 @@ class ControlClient:
     def close(self) -> None:
         """Close the socket at once (unsent messages are dropped)."""
         with self._lock:
+            self._watch.close()
             self._sock.close(linger=0)
             self._ctx.term()
 

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from torchpass_slurm.control.messages import Kind
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.rank.nodebeat import NodeBeat
+from torchpass_slurm.rank.orphan import Orphan
 
 __all__ = [
     "Message",
@@ -39,7 +40,7 @@ __all__ = [
     "Heartbeat",
     "Outbox",
     "OUTBOX_SLICE_S",
-    "standby_recv",
+    "wait_for_promotion",
 ]
 
 #: With a client that cannot wait on the outbox's pipe, the heartbeat thread looks at the
@@ -115,12 +116,45 @@ def connect_control(endpoint: str, secret_file: str, sender: str) -> ControlClie
     return ControlClient(endpoint, load_secret(Path(secret_file)), sender)
 
 
-def standby_recv(client: ControlClientLike, timeout: datetime.timedelta, outbox: object) -> Message | None:
-    """A spare's wait for its promotion: one poll of the whole ``timeout`` where the client can
-    (nothing else uses it in standby), not 20 wake-ups a second."""
-    if isinstance(outbox, Outbox) and callable(getattr(client, "recv_or_wake", None)):
-        return client.recv_or_wake(timeout, outbox.fileno())  # type: ignore[attr-defined]
-    return client.recv(timeout)
+def wait_for_promotion(
+    client: ControlClientLike,
+    interval: datetime.timedelta,
+    standby: dict[str, Any],
+    beat: Callable[[], dict[str, Any]],
+    log: logging.LoggerAdapter[logging.Logger],
+    timeout: datetime.timedelta | None,
+    orphan: Orphan | None = None,
+) -> Message:
+    """A spare's standby: say ``standby``, then heartbeat every ``interval`` until the
+    supervisor's ``promote`` or ``stop`` (returned). Each wait is one poll of the whole
+    interval where the client can (nothing else uses it in standby), not 20 wake-ups a
+    second. ControlPlaneError after ``timeout``; with an ``orphan``, the process ends the job
+    and exits once the supervisor is gone (``rank/orphan.py``)."""
+    client.send(Kind.STANDBY, standby)
+    log.info("standby: waiting for promote or stop")
+    waited = datetime.timedelta(0)
+    wake = os.pipe2(os.O_CLOEXEC) if callable(getattr(client, "recv_or_wake", None)) else None
+    try:
+        while timeout is None or waited < timeout:
+            waiting = client.recv_or_wake if wake is not None else None  # type: ignore[attr-defined]
+            msg = waiting(interval, wake[0]) if waiting is not None and wake else client.recv(interval)
+            waited += interval
+            if orphan is not None:
+                orphan.check(client)
+            if msg is None:
+                client.send(Kind.HEARTBEAT, beat())
+            elif msg.kind in (Kind.PROMOTE, Kind.STOP):
+                return msg
+            else:
+                log.warning("ignoring unexpected %r message in standby", msg.kind)
+    finally:
+        if wake is not None:
+            for fd in wake:
+                os.close(fd)
+    raise ControlPlaneError(
+        f"no promote or stop message within {timeout} of standby",
+        hint="is the supervisor (tp run) still alive?",
+    )
 
 
 class Heartbeat(threading.Thread):
@@ -136,6 +170,7 @@ class Heartbeat(threading.Thread):
         outbox: queue.Queue[tuple[str, dict[str, Any]]],
         log: logging.LoggerAdapter[logging.Logger],
         node: NodeBeat | None = None,
+        orphan: Orphan | None = None,
     ) -> None:
         super().__init__(name="torchpass-heartbeat", daemon=True)
         self._client = client
@@ -146,6 +181,8 @@ class Heartbeat(threading.Thread):
         self._log = log
         #: per-node heartbeats: what this rank does with its beat (None: send it to the supervisor)
         self._node = node
+        #: what to do once the supervisor is gone (None: nothing; the rank waits for its orders)
+        self._orphan = orphan
         self.closing = threading.Event()
 
     def run(self) -> None:
@@ -165,6 +202,8 @@ class Heartbeat(threading.Thread):
                 msg = self._recv(left, wake) if waits else self._recv(min(OUTBOX_SLICE_S, left))
                 if msg is not None:
                     self._on_message(msg)
+                if self._orphan is not None:
+                    self._orphan.check(self._client)
             self._flush_outbox()
             self._send(Kind.BYE, self._beat(state="done"))
         finally:

@@ -65,9 +65,10 @@ from torchpass_slurm.rank.link import (
     Message,
     Outbox,
     connect_control,
-    standby_recv,
+    wait_for_promotion,
 )
 from torchpass_slurm.rank.nodebeat import node_beat
+from torchpass_slurm.rank.orphan import Orphan
 from torchpass_slurm.rank.rankinfo import (
     RankInfo,
     Role,
@@ -345,6 +346,9 @@ class Runtime:
             on_message=self._on_message,
             outbox=self.outbox,
             log=self.log,
+            orphan=Orphan(
+                self._environ, node=self.node, sender=str(getattr(self._client, "sender", "")), log=self.log
+            ),
             node=node_beat(self._environ, self.job_id, self.node, self._info(), self.log),
         )
         self._heartbeat, self._client = hb, None  # the thread owns the client from here on
@@ -365,37 +369,23 @@ class Runtime:
 
     def _wait_for_promotion(self, timeout: datetime.timedelta | None) -> None:
         self.state = Phase.STANDBY
-        self._send(
-            Kind.STANDBY,
-            {
-                "node": self.node,
-                "pid": os.getpid(),
-                "local_rank": _int(self._environ, "SLURM_LOCALID", default=0),
-            },
+        assert self._client is not None
+        standby = {
+            "node": self.node,
+            "pid": os.getpid(),
+            "local_rank": _int(self._environ, "SLURM_LOCALID", default=0),
+        }
+        orphan = Orphan(
+            self._environ, node=self.node, sender=str(getattr(self._client, "sender", "")), log=self.log
         )
-        self.log.info("standby: waiting for promote or stop")
         interval = datetime.timedelta(seconds=self._config.heartbeat_interval)
-        waited = datetime.timedelta(0)
-        while timeout is None or waited < timeout:
-            assert self._client is not None
-            msg = standby_recv(self._client, interval, self.outbox)
-            waited += interval
-            if msg is None:
-                self._send(Kind.HEARTBEAT, self._beat_body())
-            elif msg.kind == Kind.PROMOTE:
-                self.info = promoted_rank_info(msg.body, self._environ)
-                self.promotion = Promote.from_body(msg.body)
-                self.is_spare_promoted = True
-                self.log.info("promoted: %s", msg.body)
-                return
-            elif msg.kind == Kind.STOP:
-                self._exit_on_stop(msg)
-            else:
-                self.log.warning("ignoring unexpected %r message in standby", msg.kind)
-        raise ControlPlaneError(
-            f"no promote or stop message within {timeout} of standby",
-            hint="is the supervisor (tp run) still alive?",
-        )
+        msg = wait_for_promotion(self._client, interval, standby, self._beat_body, self.log, timeout, orphan)
+        if msg.kind == Kind.STOP:
+            self._exit_on_stop(msg)
+        self.info = promoted_rank_info(msg.body, self._environ)
+        self.promotion = Promote.from_body(msg.body)
+        self.is_spare_promoted = True
+        self.log.info("promoted: %s", msg.body)
 
     def _exit_on_stop(self, msg: Message) -> None:
         self.log.info("stopped in standby: %s", msg.body)

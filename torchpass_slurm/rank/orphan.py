@@ -1,0 +1,131 @@
+"""A rank whose supervisor is gone ends the job, and leaves the reason in the run folder.
+
+Today's layout runs the supervisor on the batch host. When that node dies, nothing that Slurm
+watches ends the job: the steps were started with ``--no-kill``, the batch script died with
+its node, and the job stays RUNNING, with no event, until its time limit (measured on the dev
+cluster: a 10-minute TIMEOUT). The ranks on the other nodes are the ones who can tell: their
+control connection to the supervisor has been down (``control/linkwatch.py``: ZMTP heartbeats,
+10 s) for :data:`~torchpass_slurm.config.DEFAULT_SUPERVISOR_GRACE_S` more. The first rank to
+claim the record ``.torchpass/supervisor-lost.json`` in the run folder (an exclusive create:
+one claim per job) cancels the job with ``scancel``; every rank that sees the loss exits with
+:data:`EXIT_SUPERVISOR_LOST`. ``tp report`` and ``tp status`` read the record and say why the
+job ended. The same holds when the supervisor runs in its own component of a heterogeneous
+job and *its* node dies (docs/design/supervisor-component.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torchpass_slurm import config
+
+__all__ = ["EXIT_SUPERVISOR_LOST", "RECORD", "Orphan", "read_record"]
+
+#: The exit status of a rank that left because its supervisor was gone.
+EXIT_SUPERVISOR_LOST = 75
+#: The record of the loss, in the run folder.
+RECORD = Path(".torchpass") / "supervisor-lost.json"
+#: How long ``scancel`` may take.
+SCANCEL_TIMEOUT_S = 20.0
+
+logger = logging.getLogger(__name__)
+
+
+def read_record(run_dir: Path) -> dict[str, Any] | None:
+    """The run folder's supervisor-lost record, or None (none, or unreadable: said in a warning)."""
+    path = run_dir / RECORD
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        logger.warning("cannot read %s: %s", path, exc)
+        return None
+    return value if isinstance(value, dict) else None
+
+
+class Orphan:
+    """What a rank does once its supervisor is gone; ``check`` is called on every wake-up."""
+
+    def __init__(
+        self,
+        environ: Mapping[str, str],
+        *,
+        node: str,
+        sender: str,
+        log: logging.LoggerAdapter[logging.Logger],
+    ) -> None:
+        self.grace = config.env_float(config.ENV_SUPERVISOR_GRACE, config.DEFAULT_SUPERVISOR_GRACE_S)
+        self.run_dir = environ.get(config.ENV_RUN_DIR)
+        # the whole job: a heterogeneous job is cancelled by its leader's id
+        self.job_id = (
+            environ.get("SLURM_HET_JOB_ID") or environ.get(config.ENV_JOB_ID) or environ.get("SLURM_JOB_ID")
+        )
+        self.node, self.sender, self.log = node, sender, log
+
+    def check(self, client: object) -> None:
+        """Leave (this process exits) if ``client``'s link to the supervisor is down past the grace."""
+        down_for = getattr(client, "link_down_for", None)
+        if self.grace <= 0 or not callable(down_for):
+            return
+        silent = down_for()
+        if silent is not None and silent >= self.grace:
+            self.leave(silent)
+
+    def leave(self, silent: float) -> None:
+        self.log.error(
+            "the supervisor has been unreachable for %.1f s: it is gone (its node died?); ending the job",
+            silent,
+        )
+        if self._claim(silent) and self.job_id:
+            self._cancel()
+        logging.shutdown()
+        os._exit(EXIT_SUPERVISOR_LOST)
+
+    def _claim(self, silent: float) -> bool:
+        """Write the record unless another rank did (exclusive create); True when this rank did."""
+        if not self.run_dir:
+            return True
+        path = Path(self.run_dir) / RECORD
+        record = {
+            "kind": "supervisor_lost",
+            "ts": time.time(),
+            "job": self.job_id,
+            "node": self.node,
+            "sender": self.sender,
+            "silent_s": round(silent, 2),
+            "detail": f"the control connection to the supervisor was down for {silent:.1f} s; "
+            f"{self.sender} on {self.node} cancelled the job",
+        }
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            self.log.warning("cannot write %s: %s", path, exc)
+            return True
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+    def _cancel(self) -> None:
+        argv = ["scancel", str(self.job_id)]
+        try:
+            proc = subprocess.run(
+                argv, capture_output=True, text=True, timeout=SCANCEL_TIMEOUT_S, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            self.log.error("%s failed: %s", " ".join(argv), exc)
+            return
+        if proc.returncode != 0:
+            self.log.error("%s failed (%d): %s", " ".join(argv), proc.returncode, proc.stderr.strip()[:300])
