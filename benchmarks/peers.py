@@ -12,6 +12,8 @@ the same 3 active nodes, with 2 spare nodes in the allocation:
     requeue    sbatch --requeue -N 3 of the plain DDP training, resuming from its checkpoint
     torchft    sbatch -N 5 sbatch-examples/tiny_gpt_torchft.sbatch: torchft 0.2.0's Lighthouse,
                one replica group per node, a failed group restarted on its node or a spare
+    torchft-fixed  the same with its DDP comm hook's error path fixed (TORCHFT_DDP_HOOK=fixed:
+               0.2.0's hook asserts after a failed allreduce and kills the surviving groups)
 
 and each meets the same faults at the same committed steps: a node powered off (two of
 them, the completion run), a rank process SIGKILLed, and an admin drain, next to a fault-free
@@ -43,14 +45,15 @@ from torchpass_slurm.analysis.report_totals import job_json
 from torchpass_slurm.cli.report import load_report
 
 TORCHFT_SCRIPT = "/src/sbatch-examples/tiny_gpt_torchft.sbatch"
-SYSTEMS = ("torchpass", "torchft", "restart", "requeue")
+SYSTEMS = ("torchft", "torchft-fixed", "torchpass", "restart", "requeue")
 SYSTEM_LABELS = {"torchpass": "torchpass (live migration)", "torchft": "torchft 0.2.0",
+                 "torchft-fixed": "torchft 0.2.0, comm hook fixed",
                  "restart": "checkpoint restart in the allocation (tp run)",
                  "requeue": "sbatch --requeue (plain DDP)"}
 CASES = ("no_fault", "node_kill", "rank_kill", "drain")
 CASE_LABELS = {"no_fault": "no fault", "node_kill": "2 nodes powered off",
                "rank_kill": "rank process SIGKILLed", "drain": "admin drain"}
-PATTERNS = {"torchft": "tiny_gpt_torchft.py"}
+PATTERNS = {"torchft": "tiny_gpt_torchft.py", "torchft-fixed": "tiny_gpt_torchft.py"}
 TRAINING = "sbatch-examples/tiny_gpt.py"
 
 
@@ -66,7 +69,7 @@ class PeerSizing:
     kills_at: tuple[int, int] = (8, 16)
     spares: int = 2
     throughput_steps: int = 60
-    throughput_rounds: int = 1
+    throughput_rounds: int = 2
 
     def train_args(self, steps: int, sleep: float, ckpt_every: int) -> list[str]:
         d, layers = self.model
@@ -87,8 +90,10 @@ def submit(system: str, args: list[str], spares: int) -> jobs.Job:
     if system == "plain":
         return jobs.submit_plain(args)
     folder = jobs.new_folder("torchft")
+    hook = "fixed" if system == "torchft-fixed" else "shipped"
     job_id = jobs.CLUSTER.sbatch("-N", str(3 + spares), "--no-kill", "--output", f"{folder}/slurm-%j.out",
-                                 f"--export=ALL,TORCHFT_LOG_DIR={folder}", "--chdir", folder,
+                                 f"--export=ALL,TORCHFT_LOG_DIR={folder},TORCHFT_DDP_HOOK={hook}",
+                                 "--chdir", folder,
                                  TORCHFT_SCRIPT, *args)
     return jobs.Job(job_id, folder, time.monotonic())
 
@@ -111,10 +116,15 @@ def torchft_progress(job: jobs.Job) -> int:
 
 
 def torchft_victim(job: jobs.Job) -> str:
-    """The node of the highest replica group (never the batch host, where the Lighthouse is)."""
-    starts = [r for r in torchft_records(job) if r.get("event") == "start"]
-    batch = jobs.CLUSTER.job_field(job.job_id, "BatchHost")
-    nodes = [r["node"] for r in sorted(starts, key=lambda r: (r["group"], r["t"])) if r["node"] != batch]
+    """The node of the highest replica group that is not on the batch host (the Lighthouse's)
+    nor on a node this run already powered off."""
+    latest: dict[int, str] = {}
+    for r in torchft_records(job):
+        if r.get("event") == "start":
+            latest[r["group"]] = r["node"]
+    gone = {f["node"] for f in job.faults if f["kind"] == "kill"} | {
+        jobs.CLUSTER.job_field(job.job_id, "BatchHost")}
+    nodes = [node for _, node in sorted(latest.items()) if node not in gone]
     if not nodes:
         raise jobs.BenchError(f"torchft job {job.job_id} has no group outside its batch host yet")
     return nodes[-1]
@@ -122,10 +132,10 @@ def torchft_victim(job: jobs.Job) -> str:
 
 PROGRESS: dict[str, Callable[[jobs.Job], int]] = {
     "torchpass": jobs.tp_progress, "restart": jobs.tp_progress, "requeue": jobs.plain_progress,
-    "plain": jobs.plain_progress, "torchft": torchft_progress}
+    "plain": jobs.plain_progress, "torchft": torchft_progress, "torchft-fixed": torchft_progress}
 VICTIM: dict[str, Callable[[jobs.Job], str]] = {
     "torchpass": jobs.tp_victim, "restart": jobs.tp_victim, "requeue": jobs.plain_victim,
-    "torchft": torchft_victim}
+    "torchft": torchft_victim, "torchft-fixed": torchft_victim}
 
 
 class StepClock:
@@ -174,16 +184,31 @@ def run_case(system: str, case: str, size: PeerSizing) -> dict[str, Any]:
     except jobs.BenchError as err:  # a system that does not survive a fault is a result
         jobs.progress(f"  {err}")
         job.ended = job.ended or time.monotonic()
+    end_wall = time.time() - (time.monotonic() - (job.ended or time.monotonic()))
     out: dict[str, Any] = {"job": job.job_id, "state": job.state, "folder": job.folder,
                            "seconds": round(job.seconds, 2), "timeline": job.timeline,
                            "injected": job.faults, **outcome(system, job, clock, size)}
+    if case == "drain" and job.faults:
+        out["drained_node_held_s"] = held(system, job, end_wall)
     jobs.restart_nodes([f["node"] for f in job.faults if f["kind"] == "kill"])
     return out
 
 
+def held(system: str, job: jobs.Job, end_wall: float) -> float:
+    """Seconds the drained node stayed in the job: until the migration off it was done (tp run),
+    else until the job ended (torchft and requeue have no notion of a drain)."""
+    wall = job.faults[0]["wall"]
+    if system in ("torchpass", "restart"):
+        events = ev.read_events(jobs.CLUSTER.host_path(f"{job.folder}/{ev.EVENTS_FILE}"))
+        done = next((e.ts for e in events if e.kind == ev.MIGRATION_DONE and e.ts > wall), None)
+        if done is not None:
+            return round(done - wall, 2)
+    return round(end_wall - wall, 2)
+
+
 def outcome(system: str, job: jobs.Job, clock: StepClock, size: PeerSizing) -> dict[str, Any]:
     walls = [f["wall"] for f in job.faults]
-    if system == "torchft":
+    if system.startswith("torchft"):
         return torchft_outcome(job, walls, size)
     text = job.output()
     done = jobs.DONE_LINE.search(text)
@@ -215,23 +240,25 @@ def torchft_outcome(job: jobs.Job, walls: list[float], size: PeerSizing) -> dict
     records = torchft_records(job)
     commits = [r for r in records if "quorum" in r and "event" not in r]
     dones = [r for r in records if "done" in r]
-    recov, full = [], []
+    recov, full, lost = [], [], 0
     for wall in walls:
         before = [c for c in commits if c["t"] <= wall]
         quorum = before[-1]["quorum"] if before else None
         after = [c for c in commits if c["t"] > wall]
+        if before and after:  # a rollback: the first step committed after the fault is not the next one
+            lost += max(0, max(c["step"] for c in before) - (after[0]["step"] - 1))
         changed = [c for c in after if c["quorum"] != quorum] or after
         recov.append(round(changed[0]["t"] - wall, 2) if changed else None)
         short = [c for c in after if c["participants"] < 3]
         back = [c for c in after if short and c["t"] > short[0]["t"] and c["participants"] >= 3]
         full.append(round(back[0]["t"] - wall, 2) if back else None)
-    by_step: dict[int, int] = {}
+    by_step: dict[int, int] = {}  # the last commit of each step: the final weights' history
     for c in commits:
-        by_step[c["step"]] = max(by_step.get(c["step"], 0), c["participants"])
+        by_step[c["step"]] = c["participants"]
     hashes = {d["params_sha256"] for d in dones}
     losses = [d["loss"] for d in dones]
     restarts = [r for r in records if r.get("event") == "start" and r.get("restart", 0) > 0]
-    return {"recoveries_s": recov, "full_strength_s": full, "lost_steps": 0,
+    return {"recoveries_s": recov, "full_strength_s": full, "lost_steps": lost,
             "fewer_replica_steps": sum(1 for p in by_step.values() if p < 3),
             "final_loss": f"{statistics.fmean(losses):.4f}" if losses else None,
             "params_sha256": hashes.pop() if len(hashes) == 1 else (None if not hashes else "differ"),
@@ -260,17 +287,22 @@ def throughput(size: PeerSizing) -> dict[str, Any]:
             "against_plain": {s: round(median[s] / median["plain"], 3) for s in runs}}
 
 
-def peers(size: PeerSizing | None = None) -> dict[str, Any]:
+def peers(size: PeerSizing | None = None,
+          save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     size = size or PeerSizing()
     sizing = size.__dict__ | {"model": list(size.model), "kills_at": list(size.kills_at)}
     out: dict[str, Any] = {"sizing": sizing,
                            "train_args": size.train_args(size.steps, size.step_sleep, size.ckpt_every),
-                           "throughput": throughput(size), "systems": {}}
+                           "systems": {}}
     for system in SYSTEMS:
-        out["systems"][system] = {case: run_case(system, case, size) for case in CASES}
-        for run in out["systems"][system].values():
+        out["systems"][system] = {}
+        for case in CASES:
+            run = out["systems"][system][case] = run_case(system, case, size)
             ref = out["systems"][system]["no_fault"]["params_sha256"]
             run["bitwise_equal_to_no_fault"] = bool(ref) and run["params_sha256"] == ref
+            if save is not None:
+                save(out)  # a crash later keeps what was measured
+    out["throughput"] = throughput(size)
     return out
 
 
@@ -300,6 +332,8 @@ def tables(r: dict[str, Any]) -> str:
         for case, run in cases.items():
             secs = job_seconds(run)
             rec = ", ".join(_s(x) for x in run.get("recoveries_s") or []) or "-"
+            if "drained_node_held_s" in run:
+                rec += f" (node held {run['drained_node_held_s']:.1f} s)"
             lines.append(f"| {SYSTEM_LABELS[system]} | {CASE_LABELS[case]} | {run['state']} | {secs:.1f} | "
                          f"{'-' if case == 'no_fault' else f'{secs - base:+.1f}'} | {rec} | "
                          f"{run.get('lost_steps', '-')} | {run.get('fewer_replica_steps', '-')} | "
@@ -311,19 +345,22 @@ def tables(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "peers.json")
-    p.add_argument("--rounds", type=int, default=1, help="throughput rounds (default 1)")
+    p.add_argument("--rounds", type=int, default=2, help="throughput rounds, alternated (default 2)")
     a = p.parse_args(argv)
     cluster = jobs.CLUSTER
     started = not cluster.is_up()
     if started:
         cluster.up()
     try:
-        result = peers(PeerSizing(throughput_rounds=a.rounds))
+        def save(result: dict[str, Any]) -> None:
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps(result, indent=1) + "\n")
+        result = peers(PeerSizing(throughput_rounds=a.rounds), save)
+        result["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     finally:
         if started:
             cluster.down()
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(result, indent=1) + "\n")
+    save(result)
     print(tables(result))
     return 0
 

@@ -19,7 +19,8 @@ from benchmarks.peers import CASE_LABELS, SYSTEM_LABELS, job_seconds
 from benchmarks.render import IMG_DIR, _figure
 
 RESULTS = Path(__file__).resolve().parent / "results"
-COLORS = {"torchpass": "tab:blue", "torchft": "tab:green", "restart": "tab:orange", "requeue": "tab:red"}
+COLORS = {"torchpass": "tab:blue", "torchft": "tab:green", "torchft-fixed": "tab:olive", "restart": "tab:orange",
+          "requeue": "tab:red"}
 FAULT_CASES = ("node_kill", "rank_kill", "drain")
 
 

@@ -81,8 +81,37 @@ def start_barrier(folder: Path, group: int, groups: int) -> None:
     time.sleep(1.0)  # the managers' heartbeats reach the Lighthouse before the first quorum
 
 
+def ddp_class(hook: str) -> type:
+    """torchft's DDP wrapper as shipped, or with its comm hook's error path fixed.
+
+    torchft 0.2.0's ``DistributedDataParallel._comm_hook`` waits on the Manager's allreduce
+    and returns the work's inner future with ``assert fut._fut``; when the allreduce failed
+    (a peer died), ``wait()`` records the error for ``should_commit`` and returns False, the
+    inner future is never set, and the assertion kills the surviving replica: every group
+    that shared the step dies with the lost one (measured on the bookworm cluster). With
+    ``TORCHFT_DDP_HOOK=fixed`` the hook returns the bucket as it is once the Manager has
+    recorded an error: ``should_commit`` then discards the step, as torchft intends.
+    """
+    from torchft import DistributedDataParallel
+
+    if hook != "fixed":
+        return DistributedDataParallel
+
+    class FixedHookDDP(DistributedDataParallel):
+        @staticmethod
+        def _comm_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+            work = state.allreduce(bucket.buffer())
+            if work.wait() is False or state.errored() is not None:
+                fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+                fut.set_result(bucket.buffer())  # garbage; the step is not committed
+                return fut
+            return work.get_future()._fut
+
+    return FixedHookDDP
+
+
 def main(argv: list[str] | None = None) -> int:
-    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+    from torchft import Manager, Optimizer, ProcessGroupGloo
     from torchft.checkpointing.pg_transport import PGTransport
 
     args = tiny_gpt.parse_args(argv)
@@ -108,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu")),
         rank=0, world_size=1, store_addr=host, store_port=port, hostname=host,
     )
-    ddp = DistributedDataParallel(manager, model)
+    ddp = ddp_class(os.environ.get("TORCHFT_DDP_HOOK", "shipped"))(manager, model)
     optimizer = Optimizer(manager, opt)
     if restart == 0:
         start_barrier(folder, group, groups)
@@ -135,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     params, optim = tiny_gpt.params_sha256(model), tiny_gpt.optim_sha256(opt)
     log.write({"done": args.steps, "loss": round(float(loss.detach()), 4), "params_sha256": params,
                "optim_sha256": optim, "throughput": meter.line()})
+    (folder / f"torchft-done-{group}").touch()  # the launcher's sign that the group finished
     if group == 0:
         print(meter.line(), flush=True)
         print(f"done step={args.steps} loss={float(loss.detach()):.4f} params_sha256={params} "
