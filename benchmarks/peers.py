@@ -295,15 +295,21 @@ def peers(size: PeerSizing | None = None,
                            "train_args": size.train_args(size.steps, size.step_sleep, size.ckpt_every),
                            "systems": {}}
     for system in SYSTEMS:
-        out["systems"][system] = {}
-        for case in CASES:
-            run = out["systems"][system][case] = run_case(system, case, size)
-            ref = out["systems"][system]["no_fault"]["params_sha256"]
-            run["bitwise_equal_to_no_fault"] = bool(ref) and run["params_sha256"] == ref
-            if save is not None:
-                save(out)  # a crash later keeps what was measured
+        out["systems"][system] = run_system(system, size, lambda: save(out) if save else None)
     out["throughput"] = throughput(size)
     return out
+
+
+def run_system(system: str, size: PeerSizing, saved: Callable[[], object]) -> dict[str, Any]:
+    """Every case of one system, its fault-free run first (the bitwise reference)."""
+    runs: dict[str, Any] = {}
+    for case in CASES:
+        run = runs[case] = run_case(system, case, size)
+        ref = runs["no_fault"]["params_sha256"]
+        run["bitwise_equal_to_no_fault"] = bool(ref) and run["params_sha256"] == ref
+        run["measured_at"] = time.strftime("%H:%M:%SZ", time.gmtime())
+        saved()  # a crash later keeps what was measured
+    return runs
 
 
 # --- tables -----------------------------------------------------------------------------------
@@ -346,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "peers.json")
     p.add_argument("--rounds", type=int, default=2, help="throughput rounds, alternated (default 2)")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help="systems to run (default all); with fewer, the others' runs in --json are kept "
+                        "and no throughput is measured")
     a = p.parse_args(argv)
     cluster = jobs.CLUSTER
     started = not cluster.is_up()
@@ -355,7 +364,13 @@ def main(argv: list[str] | None = None) -> int:
         def save(result: dict[str, Any]) -> None:
             a.json.parent.mkdir(parents=True, exist_ok=True)
             a.json.write_text(json.dumps(result, indent=1) + "\n")
-        result = peers(PeerSizing(throughput_rounds=a.rounds), save)
+        systems = tuple(s for s in a.systems.split(",") if s)
+        if set(systems) == set(SYSTEMS):
+            result = peers(PeerSizing(throughput_rounds=a.rounds), save)
+        else:
+            result = json.loads(a.json.read_text())
+            for system in systems:
+                result["systems"][system] = run_system(system, PeerSizing(), lambda: save(result))
         result["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     finally:
         if started:

@@ -99,7 +99,9 @@ def ddp_class(hook: str) -> type:
 
     class FixedHookDDP(DistributedDataParallel):
         @staticmethod
-        def _comm_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
+            # No annotations: DDP's register_comm_hook compares them with dist.GradBucket and
+            # Future[Tensor], and under `from __future__ import annotations` they are strings.
             work = state.allreduce(bucket.buffer())
             if work.wait() is False or state.errored() is not None:
                 fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
