@@ -50,3 +50,12 @@ def test_totals_count_the_shares_per_class_and_bitwise_among_the_live_only() -> 
     assert t["all"] == {"faults": 4, "live_no_lost_progress": 3, "no_data_loss": 4,
                         "bitwise_equal_among_live": 2, "share_live": 0.75, "share_no_data_loss": 1.0,
                         "share_bitwise_among_live": 0.6667}
+
+
+def test_a_torchft_restart_from_step_0_counts_its_committed_steps_as_lost() -> None:
+    from benchmarks.peers import rolled_back
+
+    skew = [{"step": s} for s in (1, 1, 2, 3, 2, 3, 4)]  # groups log the same step a moment apart
+    assert rolled_back(skew) == 0
+    restart = [{"step": s} for s in (7, 8, 9, 1, 2, 14, 15)]  # from 9 back to 1, then healed to 14
+    assert rolled_back(restart) == 9
