@@ -29,6 +29,9 @@ ENV_JOB_ID = "TORCHPASS_JOB_ID"
 #: heartbeat timeout) before the rank takes the supervisor for dead and ends the job
 #: (``rank/orphan.py``); 0 turns that off.
 ENV_SUPERVISOR_GRACE = "TORCHPASS_SUPERVISOR_GRACE"
+#: The job id that cancels the whole job, set by tp run for its steps (a heterogeneous job's
+#: leader; the training component's own id would cancel only that component).
+ENV_CANCEL_JOB_ID = "TORCHPASS_CANCEL_JOB_ID"
 ENV_CONTROL = "TORCHPASS_CONTROL"
 ENV_NODE = "TORCHPASS_NODE"
 ENV_ROLE = "TORCHPASS_ROLE"

@@ -56,7 +56,13 @@ def build_supervisor(
     secret = load_secret(secret_file)
     # the job's own interface only; the ranks are given this address
     server = ControlServer(secret, bind_host=job_address(host), port=0)
-    env = {cfg.ENV_SECRET_FILE: str(secret_file), cfg.ENV_RUN_DIR: str(run_dir)}
+    # the id that cancels the whole job (a heterogeneous job's leader), for ranks whose
+    # supervisor is gone (rank/orphan.py): the training component's own id cancels only it
+    env = {
+        cfg.ENV_SECRET_FILE: str(secret_file),
+        cfg.ENV_RUN_DIR: str(run_dir),
+        cfg.ENV_CANCEL_JOB_ID: str(job_id),
+    }
     store = _host_store(host)
     if store is not None:
         env[cfg.ENV_STORE] = f"{host}:{store.port}"

@@ -66,7 +66,10 @@ class Orphan:
         self.run_dir = environ.get(config.ENV_RUN_DIR)
         # the whole job: a heterogeneous job is cancelled by its leader's id
         self.job_id = (
-            environ.get("SLURM_HET_JOB_ID") or environ.get(config.ENV_JOB_ID) or environ.get("SLURM_JOB_ID")
+            environ.get(config.ENV_CANCEL_JOB_ID)
+            or environ.get("SLURM_HET_JOB_ID")
+            or environ.get(config.ENV_JOB_ID)
+            or environ.get("SLURM_JOB_ID")
         )
         self.node, self.sender, self.log = node, sender, log
 

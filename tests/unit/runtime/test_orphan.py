@@ -82,9 +82,12 @@ def test_the_first_rank_past_the_grace_cancels_the_job_and_the_others_only_leave
 
 
 def test_a_heterogeneous_job_is_cancelled_by_its_leaders_id(tmp_path: Path, calls: list[list[str]]) -> None:
-    o = Orphan(env(tmp_path, SLURM_HET_JOB_ID="40", SLURM_JOB_ID="41"), node="c2", sender="c2/0", log=LOG)
+    """tp run names the leader (TORCHPASS_CANCEL_JOB_ID): a step of the training component has
+    that component's own id in TORCHPASS_JOB_ID and SLURM_JOB_ID, and scancel of it would leave
+    the leader, whose node is the dead one, running (seen on the dev cluster)."""
+    leader = env(tmp_path, TORCHPASS_CANCEL_JOB_ID="40", SLURM_JOB_ID="41")
     with pytest.raises(Exited):
-        o.leave(99.0)
+        Orphan(leader, node="c2", sender="c2/0", log=LOG).leave(99.0)
     assert calls == [["scancel", "40"]]
 
 
