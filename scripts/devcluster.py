@@ -7,7 +7,8 @@ cluster tests (``tests/cluster/``) and the benchmarks (``benchmarks/``), all
 through :class:`Cluster`.
 
 Standard library only (Python 3.9+), so ``scripts/cluster`` runs with any
-python3. Settings (environment, read at import): TP_CLUSTER_IMAGE,
+python3. Settings (environment, read at import): TP_CLUSTER_FLAVOR, TP_CLUSTER_PROJECT
+(the container name prefix), TP_CLUSTER_IMAGE,
 TP_CLUSTER_SHARED (host folder mounted at /shared on every node),
 TP_CLUSTER_NET_PREFIX (first three octets of the cluster's /24, default
 172.29.77), TP_CLUSTER_NETWORK, TP_CLUSTER_BASE_MIRROR (Debian mirror for
@@ -92,7 +93,7 @@ if _flavor_name not in FLAVORS:
     sys.exit(f"TP_CLUSTER_FLAVOR={_flavor_name!r} is not a cluster flavor; "
              f"valid: {', '.join(FLAVORS)}")
 FLAVOR = FLAVORS[_flavor_name]
-PROJECT = FLAVOR.project
+PROJECT = os.environ.get("TP_CLUSTER_PROJECT", FLAVOR.project)
 BASE_IMAGE = FLAVOR.base_image
 
 IMAGE = os.environ.get("TP_CLUSTER_IMAGE", FLAVOR.image)
