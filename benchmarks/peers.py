@@ -222,13 +222,21 @@ def outcome(system: str, job: jobs.Job, clock: StepClock, size: PeerSizing) -> d
                       resolutions=["requeue" if len(starts) > 1 else "-"] * len(walls))
         return result
     report = job_json(load_report(jobs.CLUSTER.host_path(job.folder)))
-    events = ev.read_events(jobs.CLUSTER.host_path(f"{job.folder}/{ev.EVENTS_FILE}"))
-    firsts = [(e.ts, 0) for e in events if e.kind == ev.FIRST_STEP]
     faults = report.get("faults", [])
-    result.update(recoveries_s=[_after(firsts, w, lambda s: True) for w in walls],
+    result.update(recoveries_s=tp_recoveries(job, walls),
                   lost_steps=sum(int(f.get("lost_steps") or 0) for f in faults),
                   resolutions=[f.get("resolution") for f in faults], report_faults=faults)
     return result
+
+
+def tp_recoveries(job: jobs.Job, walls: Sequence[float]) -> list[float | None]:
+    """From each fault to the first committed step after it (``first_step``); a checkpoint
+    restart logs none: there, to the ranks resumed from the checkpoint (``migration_done``),
+    one step short of the first step."""
+    events = ev.read_events(jobs.CLUSTER.host_path(f"{job.folder}/{ev.EVENTS_FILE}"))
+    marks = [(e.ts, 0) for e in events if e.kind == ev.FIRST_STEP or (
+        e.kind == ev.MIGRATION_DONE and e.fields.get("resolution") == "checkpoint")]
+    return [_after(marks, w, lambda s: True) for w in walls]
 
 
 def _after(seen: Sequence[tuple[float, int]], wall: float, ok: Callable[[int], bool]) -> float | None:
@@ -250,15 +258,17 @@ def rolled_back(commits: Sequence[Mapping[str, Any]]) -> int:
 
 
 def reanalyse(result: dict[str, Any]) -> None:
-    """Recompute the torchft rows from their run folders and injected faults (a rule changed)."""
+    """Recompute the recoveries from the run folders and injected faults (a rule changed)."""
     size = PeerSizing(**{k: tuple(v) if isinstance(v, list) else v for k, v in result["sizing"].items()})
     for system, cases in result["systems"].items():
-        if not system.startswith("torchft"):
-            continue
         for run in cases.values():
             job = jobs.Job(run["job"], run["folder"], 0.0)
             job.faults = run["injected"]
-            run.update(torchft_outcome(job, [f["wall"] for f in job.faults], size))
+            walls = [f["wall"] for f in job.faults]
+            if system.startswith("torchft"):
+                run.update(torchft_outcome(job, walls, size))
+            elif system != "requeue":
+                run["recoveries_s"] = tp_recoveries(job, walls)
             ref = cases["no_fault"]["params_sha256"]
             run["bitwise_equal_to_no_fault"] = bool(ref) and run["params_sha256"] == ref
 
