@@ -217,7 +217,7 @@ def outcome(system: str, job: jobs.Job, clock: StepClock, size: PeerSizing) -> d
     if system == "requeue":
         starts = [int(s) for s in jobs.START_LINE.findall(text)]
         computed = sum(1 for _ in jobs.STEP_LINE.finditer(text))
-        result.update(recoveries_s=[_after(clock.seen, w, lambda s, w=w: True) for w in walls],
+        result.update(recoveries_s=requeue_recoveries({"injected": job.faults, "timeline": job.timeline}),
                       starts_at_steps=starts, lost_steps=max(0, computed - size.steps) if done else None,
                       resolutions=["requeue" if len(starts) > 1 else "-"] * len(walls))
         return result
@@ -227,6 +227,24 @@ def outcome(system: str, job: jobs.Job, clock: StepClock, size: PeerSizing) -> d
                   lost_steps=sum(int(f.get("lost_steps") or 0) for f in faults),
                   resolutions=[f.get("resolution") for f in faults], report_faults=faults)
     return result
+
+
+def requeue_recoveries(run: Mapping[str, Any]) -> list[float | None]:
+    """From each fault until Slurm runs the requeued job again (the job's state timeline, polled
+    twice a second); its first step comes after the start-up and the steps since its checkpoint."""
+    out: list[float | None] = []
+    for fault in run["injected"]:
+        at, left = fault["at_seconds"], False
+        back = None
+        for t, state in run["timeline"]:
+            if t <= at:
+                continue
+            left = left or state != "RUNNING"
+            if left and state == "RUNNING":
+                back = round(t - at, 2)
+                break
+        out.append(back)
+    return out
 
 
 def tp_recoveries(job: jobs.Job, walls: Sequence[float]) -> list[float | None]:
@@ -267,7 +285,9 @@ def reanalyse(result: dict[str, Any]) -> None:
             walls = [f["wall"] for f in job.faults]
             if system.startswith("torchft"):
                 run.update(torchft_outcome(job, walls, size))
-            elif system != "requeue":
+            elif system == "requeue":
+                run["recoveries_s"] = requeue_recoveries(run)
+            else:
                 run["recoveries_s"] = tp_recoveries(job, walls)
             ref = cases["no_fault"]["params_sha256"]
             run["bitwise_equal_to_no_fault"] = bool(ref) and run["params_sha256"] == ref
