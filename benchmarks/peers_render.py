@@ -72,7 +72,7 @@ def plot_completion(r: Mapping[str, Any], path: Path) -> None:
         ax.annotate(f"{seconds:.0f} s ({seconds / base:.2f} x its fault-free {base:.0f} s){end}", (seconds, y), va="center", xytext=(4, 0), textcoords="offset points", fontsize="small")
     ax.set_yticks(range(len(rows)), [SYSTEM_LABELS[s] for s, *_ in rows])
     ax.invert_yaxis()
-    ax.set_xlabel("job completion time (s) with 2 nodes powered off; dashed: the same system without a fault")
+    ax.set_xlabel("job time (s), 2 nodes powered off; dashed: the same system, no fault")
     ax.set_title("Job completion, four systems, the same training and faults")
     ax.margins(x=0.6)
     fig.savefig(path)
