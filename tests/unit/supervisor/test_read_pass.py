@@ -5,6 +5,7 @@ not once per heartbeat."""
 from __future__ import annotations
 
 from datetime import timedelta
+
 from torchpass_slurm.control.messages import Message
 from torchpass_slurm.supervisor.loop import POLL_SLICE, read_pass
 
