@@ -172,10 +172,13 @@ class Faults:
 
 
 def candidates_of(job: jobs.Job) -> list[str]:
-    """The job's active nodes other than its batch host, in name order."""
+    """The job's active nodes other than its batch host and the nodes this job's earlier faults hit
+    (the supervisor may not have seen a drain yet: in the run of 2026-12-01 one node was drained
+    twice, 4 s apart, and the second fault was no fault), in name order."""
     batch = jobs.CLUSTER.job_field(job.job_id, "BatchHost")
+    hit = {f["node"] for f in job.faults}
     nodes = sorted(str(n["node"]) for n in jobs.CLUSTER.tp_status(job.job_id).get("nodes", [])
-                   if n.get("role") == "active" and n.get("node") != batch)
+                   if n.get("role") == "active" and n.get("node") != batch and n.get("node") not in hit)
     if not nodes:
         raise jobs.BenchError(f"job {job.job_id} has no active node besides its batch host {batch}")
     return nodes
