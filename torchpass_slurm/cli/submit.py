@@ -136,8 +136,13 @@ class SlurmSubmitter:
         return str(self.slurm.submit_batch(script, list(sbatch_args)))
 
     def partition_node_count(self, partition: str | None) -> int | None:
-        """Nodes in ``partition``; without one, in the whole cluster (a bound on the default
-        partition, which ``sinfo --json`` does not mark). None: Slurm knows no such partition."""
+        """Nodes in ``partition``; without one, in the default partition (``scontrol show
+        partition``: ``sinfo --json`` does not mark it), else in the whole cluster (a bound on
+        it: a service partition beside the default one makes that bound too loose). None:
+        Slurm knows no such partition."""
+        if partition is None:
+            default = getattr(self.slurm, "default_partition", None)
+            partition = default() if callable(default) else None
         return len(self.slurm.nodes(partition=partition)) or None
 
 

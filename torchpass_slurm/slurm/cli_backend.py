@@ -98,6 +98,16 @@ class CliSlurm:
             nodes = tuple(n for n in nodes if partition in n.partitions)
         return nodes
 
+    def default_partition(self) -> str | None:
+        """The partition a job without ``-p`` runs in (``Default=YES`` in ``scontrol show
+        partition``), or None when there is none or Slurm does not say."""
+        out = self._run(["scontrol", "show", "partition", "-o"]).stdout
+        for line in out.splitlines():
+            fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+            if fields.get("Default") == "YES" and fields.get("PartitionName"):
+                return fields["PartitionName"]
+        return None
+
     def _load_nodes(self) -> tuple[Node, ...]:
         """Every node; the one read a backend overrides."""
         return parse_sinfo_json(self._run(["sinfo", "--json"]).stdout)

@@ -272,6 +272,7 @@ class Supervisor:
             step.hello_senders.add(message.sender)
             if len(step.hello_senders) >= step.ntasks and step.state == WorkerState.STARTING:
                 step.state = WorkerState.RUNNING
+                step.all_up(now)
                 self.events.append(
                     ev.WORKER_UP, node=node, role=step.role, ranks=list(self.job.membership.ranks_of(node))
                 )

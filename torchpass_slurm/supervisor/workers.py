@@ -94,6 +94,14 @@ class WorkerStep:
         if step is not None and (self.last_step is None or step > self.last_step):
             self.last_step = step
 
+    def all_up(self, now: float) -> None:
+        """Every task said hello: silence counts from now. With per-node heartbeats a task that
+        was up first beats through local rank 0, which cannot relay before it is up itself: on
+        a loaded host local rank 1 said hello 11 s before local rank 0 and its step was declared
+        silent the moment it was whole (seen on the dev cluster)."""
+        for sender, heard in self.heartbeats.items():
+            self.heartbeats[sender] = max(heard, now)
+
     def relayed(self, relay: str, tasks: Iterable[Sequence[Any]], now: float) -> None:
         """The other tasks a per-node heartbeat from ``relay`` (its node's local rank 0) carries:
         each ``[local_rank, rank, step, state, age_ms]`` (checked by ``control/messages.py``) marks

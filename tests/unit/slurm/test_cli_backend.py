@@ -181,3 +181,17 @@ def test_launch_step_spawns_srun_without_slurm_no_kill(
     env = fake_runner.calls[0].env
     assert env is not None and "SLURM_NO_KILL" not in env and env["TP_RANK"] == "1"
     assert env["PATH"] == os.environ["PATH"]
+
+
+def test_the_default_partition_is_the_one_scontrol_marks_default(fake_runner: FakeRunner) -> None:
+    """A service partition beside the default one (issue 15) must not count towards what a job
+    without -p can get: tp-submit sizes it by the default partition."""
+    fake_runner.on(["scontrol", "show", "partition", "-o"],
+                   "PartitionName=debug AllowGroups=ALL Default=YES Nodes=c[1-5] State=UP\n"
+                   "PartitionName=service AllowGroups=ALL Default=NO Nodes=s1 State=UP\n")
+    assert make(fake_runner).default_partition() == "debug"
+
+
+def test_no_default_partition_is_none(fake_runner: FakeRunner) -> None:
+    fake_runner.on(["scontrol", "show", "partition", "-o"], "PartitionName=service Default=NO Nodes=s1\n")
+    assert make(fake_runner).default_partition() is None

@@ -133,6 +133,19 @@ def test_a_task_quiet_behind_its_relay_grows_silent() -> None:
     assert step.silent_for(11.0) == pytest.approx(1.0)
 
 
+def test_a_step_whole_at_last_is_silent_from_then_not_from_its_first_hello() -> None:
+    """Local rank 1 said hello 11 s before local rank 0 (a loaded host): it beats through local
+    rank 0, which could not relay before it was up. The step was silent for 11.1 s the moment
+    it was whole, and lost on the dev cluster; silence now counts from its last hello."""
+    step = step_of(ntasks=2)
+    step.seen("c1/1", 312.9)  # hello of local rank 1
+    step.seen("c1/0", 324.0)  # hello of local rank 0, 11.1 s later
+    assert step.silent_for(324.0) == pytest.approx(11.1)
+    step.all_up(324.0)
+    assert step.silent_for(324.0) == 0.0
+    assert step.silent_for(330.0) == pytest.approx(6.0)  # and it grows as before
+
+
 # --- StepLauncher -----------------------------------------------------------------------------
 
 
