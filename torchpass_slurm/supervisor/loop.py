@@ -55,10 +55,6 @@ logger = logging.getLogger(__name__)
 POLL_SLICE = timedelta(seconds=0.1)
 #: Messages that do not end a pass early (``Supervisor._pump``): the routine traffic.
 ROUTINE_KINDS = frozenset({Kind.HEARTBEAT, Kind.RANK_STATE})
-#: A pass whose own work (a node release: ``scontrol update``, which Slurm 22.05 held for 5-10 s
-#: when refusing it) took longer than this reads the messages that came meanwhile before it
-#: judges silence: the heartbeats are there, only unread (seconds).
-STALL_S = 0.5
 #: The shortest poll worth making for the rest of a pass (seconds; a timedelta holds microseconds).
 MIN_POLL_S = 0.001
 #: How often status.json is rewritten (seconds).
@@ -166,12 +162,9 @@ class Supervisor:
         try:
             while not job.state.ended:
                 self._pump(POLL_SLICE)
-                pumped = self.clock.monotonic()
                 self.executor.orders.advance()
                 self.launcher.enforce()
                 self._reap()
-                if self.clock.monotonic() - pumped > STALL_S:  # a blocked scontrol: read what came
-                    self._pump(timedelta(0))
                 faults = self.detectors.detect()
                 if faults:
                     self._recover(faults)

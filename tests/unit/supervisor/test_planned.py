@@ -7,13 +7,11 @@ with the promoted spare, which receives the state.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torchpass_slurm import events as ev
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.supervisor.loop import RunState
 
-from .conftest import CONFIG, JOB_ID, Live, at_of, sent
+from .conftest import JOB_ID, Live, at_of, sent
 
 DRAIN_REASON = "firmware update"
 
@@ -162,24 +160,3 @@ def test_a_drain_waits_until_a_recovery_in_flight_is_done(live: Live) -> None:
     assert at_of(h, done_live) <= at_of(h, second)
     assert h.supervisor.membership.active == ("c1", "c4", "c5")
     assert JOB_ID == 4242 and done_planned.fields["planned"] is True
-
-
-def test_a_node_release_that_blocks_for_seconds_declares_nobody_silent(live: Live) -> None:
-    """Slurm 22.05 held the shrink of a drained node's release 5-10 s before refusing it ("the
-    DB index is being set"); the pass then judged silence before reading the heartbeats that had
-    come meanwhile, and declared the just-promoted spare lost (the fault campaign, 2026-12-01)."""
-    h, _ = live(ntasks=2)
-    h.world.at(3.0, lambda: h.slurm.set_node("c2", "MIXED", "DRAIN", reason=DRAIN_REASON))
-    shrink = h.slurm.shrink_job
-
-    def blocked(job_id: int, keep_nodes: Any) -> None:
-        h.clock.advance(CONFIG.heartbeat_timeout + 1.0)  # the loop waits on scontrol meanwhile
-        shrink(job_id, keep_nodes)
-    h.slurm.shrink_job = blocked  # type: ignore[method-assign]
-
-    result = h.run()
-
-    assert (result.state, result.restarts) == (RunState.SUCCEEDED, 0)
-    assert not h.of_kind(ev.HEARTBEAT_LOST) and not h.of_kind(ev.FAILED)
-    (released,) = h.of_kind(ev.NODE_RELEASED)
-    assert released.fields["node"] == "c2"
