@@ -92,7 +92,9 @@ GROUP_REBUILT = "group_rebuilt"  # a rank: the new epoch's process group is up (
 AGREEMENT = "agreement"  # rank 0: the committed step every rank now holds (committed_step=)
 TRANSFER_DONE = "transfer_done"  # a receiver: state received (donor=, bytes=, seconds=, retries=)
 FIRST_STEP = "first_step"  # rank 0: the first step of the new epoch committed (step=)
-MIGRATION_DONE = "migration_done"  # supervisor: resolution=live|checkpoint|regroup, lost_steps=, planned=
+MIGRATION_DONE = (  # supervisor: resolution=live|checkpoint|regroup|deferred, lost_steps=, planned=,
+    "migration_done"  # at_end= (closed when the training completed), detail=
+)
 HEALTH_WARNING = "health_warning"  # a node's in-job agent saw WARNING/CRITICAL (status=, summary=)
 FENCED = "fenced"  # a task of a lost step spoke again: ignored, told to stop (node=, sender=, message_kind=)
 DRAIN_DEFERRED = "drain_deferred"  # a drained node keeps its ranks until the job ends (reason=, detail=)

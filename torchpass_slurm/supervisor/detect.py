@@ -202,7 +202,7 @@ class Detectors:
     def _confirmed_silence(self) -> list[Fault]:
         """Steps silent past ``silence_threshold`` whose loss a second signal confirms; a probe
         is started for the others."""
-        now, faults = self.clock.time(), []
+        now, faults = self.job.silence_clock(self.clock.time()), []
         for node, step in self._watched():
             silent = step.silent_for(now)
             if silent is None or silent <= self.config.silence_threshold:
@@ -244,8 +244,8 @@ class Detectors:
 
     def _verdict(self, first: Fault) -> list[Fault]:
         """At the end of the settle window: the nodes silent all along, else the step that exited."""
-        job, now = self.job, self.clock.time()
-        window = self.config.fault_settle
+        job = self.job
+        now, window = job.silence_clock(self.clock.time()), self.config.fault_settle
         silent = [
             n
             for n in job.membership.active + job.membership.spares
@@ -287,7 +287,7 @@ class Detectors:
     def _silence(self) -> Fault | None:
         """Silence past ``heartbeat_timeout`` that nothing confirmed (a frozen process on a node
         that answers), or a step never up within ``startup_timeout``."""
-        now, cfg = self.clock.time(), self.config
+        now, cfg = self.job.silence_clock(self.clock.time()), self.config
         for node, step in self._watched():
             silent = step.silent_for(now)
             if silent is not None and silent > cfg.heartbeat_timeout:

@@ -182,6 +182,7 @@ class Executor:
             committed=committed,
             failed=(fault.node,),
             planned=True,
+            promoted=(spare,),
         )
         self.job.releasing.add(fault.node)
         self.orders.reconfigure(

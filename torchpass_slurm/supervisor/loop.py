@@ -43,7 +43,7 @@ from torchpass_slurm.supervisor.mesh import accept_mesh
 from torchpass_slurm.supervisor.plan import Policy, WorkerFacts, plan_recovery
 from torchpass_slurm.supervisor.probe import Probe
 from torchpass_slurm.supervisor.state import Clock, JobState, RunResult, RunState
-from torchpass_slurm.supervisor.status import JobStatus, NodeStatus, write_status
+from torchpass_slurm.supervisor.status import job_status, write_status
 from torchpass_slurm.supervisor.workers import StepLauncher, WorkerState, WorkerStep
 
 __all__ = ["Supervisor", "RunState", "RunResult", "POLL_SLICE"]
@@ -172,7 +172,8 @@ class Supervisor:
                     pass  # judging a suspicion: nothing else starts meanwhile
                 elif self.detectors.drains and job.migration is None and job.state == RunState.RUNNING:
                     self._recover([self.detectors.drains.pop(0)])
-                elif self._all_active_exited_ok():
+                elif self._training_completed():
+                    self.completion.training_ended()
                     self.executor.finish(RunState.SUCCEEDED, 0, "training completed")
                 self._write_status()
         except BaseException as err:
@@ -219,15 +220,18 @@ class Supervisor:
                 step.state = WorkerState.EXITED
                 self.events.append(ev.STEP_EXITED, node=node, exit_code=0)
 
-    def _all_active_exited_ok(self) -> bool:
-        return all(
-            self.job.steps[n].state == WorkerState.EXITED and self.job.steps[n].exit_code == 0
-            for n in self.job.membership.active
-        )
+    def _training_completed(self) -> bool:
+        """Every active step exited 0. Spares promoted for a switch that no rank made are not
+        training: with them, the drained node's step (the ranks they were to take) must have."""
+        job, waiting = self.job, self.completion.unswitched()
+        nodes = [n for n in job.membership.active if n not in waiting]
+        if waiting and job.migration is not None:
+            nodes += job.migration.failed
+        return all(job.steps[n].state == WorkerState.EXITED and job.steps[n].exit_code == 0 for n in nodes)
 
     # -- messages ----------------------------------------------------------------
     def _pump(self, timeout: timedelta) -> None:
-        read_pass(self.server, self.clock, timeout, self._take)
+        self.job.heard_until = read_pass(self.server, self.clock, timeout, self._take)
         self._after_messages()
 
     def _take(self, peer: bytes, message: Message, now: float) -> None:
@@ -315,6 +319,7 @@ class Supervisor:
                 self.completion.first_step(fields)
             elif kind == ReportKind.RELEASED:
                 self.executor.orders.released(fields.get("rank"))
+                self.completion.released()
         elif kind == ReportKind.RESUMED:
             self.completion.resumed(fields)
         elif kind == ReportKind.HEALTH_WARNING:
@@ -334,45 +339,17 @@ class Supervisor:
         if not force and now < self._next_status:
             return
         self._next_status = now + STATUS_INTERVAL_S
-        job, m = self.job, self.job.membership
-        nodes = []
-        for node, step in job.steps.items():
-            role = m.role_of(node) if node in m.active + m.spares + m.failed else step.role
-            if node in job.released or node in job.releasing:
-                role = NodeRole.RELEASED
-            ranks = tuple(m.ranks_of(node)) if role == NodeRole.ACTIVE else ()
-            nodes.append(
-                NodeStatus(
-                    node=node,
-                    role=role,
-                    ranks=ranks,
-                    state=step.state.value,
-                    last_step=step.last_step,
-                    last_heartbeat=step.last_heartbeat,
-                    exit_code=step.exit_code,
-                )
-            )
-        status = JobStatus(
-            job_id=str(job.job_id),
-            run_dir=str(self.run_dir),
-            state=job.state.value,
-            epoch=m.epoch,
-            world_size=m.world_size,
-            updated=self.clock.time(),
-            nodes=tuple(nodes),
-            restarts=job.restarts,
-            message=job.message,
-        )
         try:
-            write_status(self.run_dir, status)
+            write_status(self.run_dir, job_status(self.job, self.run_dir, self.clock.time()))
         except OSError as err:
             logger.warning("could not write status.json: %s", err)
 
 
 def read_pass(
     server: ControlServer, clock: Clock, timeout: timedelta, take: Callable[[bytes, Message, float], None]
-) -> None:
-    """Read the control messages of one pass, each handed to ``take(peer, message, now)``.
+) -> float:
+    """Read the control messages of one pass, each handed to ``take(peer, message, now)``; the
+    time its last poll returned (everything sent before it has been read).
 
     Heartbeats and rank-state copies (the bulk: several a second per rank, spread in time) do
     not end the pass early: it takes them until ``timeout`` is spent, so detection runs at most
@@ -381,12 +358,13 @@ def read_pass(
     """
     deadline = clock.monotonic() + timeout.total_seconds()
     while True:
-        now = clock.time()
         urgent = False
-        for peer, message in server.poll(timeout):
+        batch = server.poll(timeout)
+        now = clock.time()  # when they were read: a message is never stamped earlier
+        for peer, message in batch:
             urgent = urgent or message.kind not in ROUTINE_KINDS
             take(peer, message, now)
         left = deadline - clock.monotonic()
         if urgent or left < MIN_POLL_S:
-            return
+            return now
         timeout = timedelta(seconds=left)

@@ -57,6 +57,10 @@ class Migration:
     planned: bool = False
     #: the committed step the ranks agreed on (their agreement report)
     agreed: int | None = None
+    #: a planned migration's spares, promoted before the switch step
+    promoted: tuple[str, ...] = ()
+    #: a planned migration's leaving ranks have reported ``released``: the switch came
+    left: bool = False
 
 
 @dataclass
@@ -81,6 +85,14 @@ class JobState:
     layout: MeshLayout | None = None
     #: the last copies of each logical rank's own state, for the spare that takes it
     rank_states: RankStates = field(default_factory=RankStates)
+    #: unix time up to which the control plane has been read (the end of the last read pass;
+    #: None before the first). Silence is measured to here, not to the clock: a loop that was
+    #: busy since (a node release held in scontrol for seconds) has not heard what came meanwhile.
+    heard_until: float | None = None
+
+    def silence_clock(self, now: float) -> float:
+        """The time silence is measured to: ``now``, or the end of the last read pass if earlier."""
+        return now if self.heard_until is None else min(now, self.heard_until)
 
     def live_steps(self) -> dict[str, WorkerStep]:
         """Steps still worth watching: not stopped, not ended, not lost."""

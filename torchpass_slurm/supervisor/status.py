@@ -13,9 +13,13 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from torchpass_slurm.config import NodeRole
 from torchpass_slurm.errors import StatusError
+
+if TYPE_CHECKING:
+    from torchpass_slurm.supervisor.state import JobState
 
 STATUS_FILE = "status.json"
 FORMAT = 1
@@ -68,6 +72,38 @@ class JobStatus:
             return cls(**data, nodes=nodes)
         except (ValueError, TypeError) as err:
             raise StatusError(f"malformed status file: {err}") from None
+
+
+def job_status(job: JobState, run_dir: Path, now: float) -> JobStatus:
+    """The snapshot of ``job`` at unix time ``now``."""
+    m = job.membership
+    nodes = []
+    for node, step in job.steps.items():
+        role = m.role_of(node) if node in m.active + m.spares + m.failed else step.role
+        if node in job.released or node in job.releasing:
+            role = NodeRole.RELEASED
+        nodes.append(
+            NodeStatus(
+                node=node,
+                role=role,
+                ranks=tuple(m.ranks_of(node)) if role == NodeRole.ACTIVE else (),
+                state=step.state.value,
+                last_step=step.last_step,
+                last_heartbeat=step.last_heartbeat,
+                exit_code=step.exit_code,
+            )
+        )
+    return JobStatus(
+        job_id=str(job.job_id),
+        run_dir=str(run_dir),
+        state=job.state.value,
+        epoch=m.epoch,
+        world_size=m.world_size,
+        updated=now,
+        nodes=tuple(nodes),
+        restarts=job.restarts,
+        message=job.message,
+    )
 
 
 def write_status(run_dir: Path, status: JobStatus) -> None:

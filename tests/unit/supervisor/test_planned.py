@@ -7,11 +7,15 @@ with the promoted spare, which receives the state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from torchpass_slurm import events as ev
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.supervisor.loop import RunState
 
-from .conftest import JOB_ID, Live, at_of, sent
+from .conftest import CONFIG, JOB_ID, STORE, TRAIN_S, Harness, Live, at_of, sent
+from .fakes import ElasticRanks
 
 DRAIN_REASON = "firmware update"
 
@@ -160,3 +164,49 @@ def test_a_drain_waits_until_a_recovery_in_flight_is_done(live: Live) -> None:
     assert at_of(h, done_live) <= at_of(h, second)
     assert h.supervisor.membership.active == ("c1", "c4", "c5")
     assert JOB_ID == 4242 and done_planned.fields["planned"] is True
+
+
+def test_a_drain_too_late_for_its_switch_is_closed_deferred_when_the_training_ends(
+        make: Callable[..., Harness]) -> None:
+    """The campaign's drains seen in a job's last steps: the ranks finished before any switched,
+    and the spare waited for a group that never formed until the recovery stalled."""
+    h = make(train_s=TRAIN_S, store=STORE)
+    ElasticRanks(h.world, delay=1.5)  # a leaving rank hands over 1.5 s after the announcement
+    # seen at the Slurm poll of 19.1 s; the ranks' 20 s of training end at 20.1 s, before any left
+    h.world.at(19.0, lambda: h.slurm.set_node("c2", "MIXED", "DRAIN", reason=DRAIN_REASON))
+
+    result = h.run()
+
+    assert (result.state, result.exit_code, result.restarts) == (RunState.SUCCEEDED, 0, 0)
+    assert h.of_kind("released") == []  # nobody switched
+    (started,) = h.of_kind(ev.MIGRATION_STARTED)
+    (done,) = h.of_kind(ev.MIGRATION_DONE)
+    assert {k: done.fields[k] for k in ("resolution", "planned", "lost_steps", "recomputed_steps",
+                                        "failed", "detail")} == {
+        "resolution": "deferred", "planned": True, "lost_steps": 0, "recomputed_steps": 0,
+        "failed": ["c2"], "detail": "the training ended before the switch step"}
+    assert at_of(h, done) - at_of(h, started) < 3  # not a stalled recovery's 60 s
+    assert h.of_kind(ev.FINISHED) and not h.of_kind("recovery_stalled")
+    assert h.supervisor.membership.active == ("c1", "c4", "c3")
+    assert "c4" in h.launcher.stops[-1][0]  # the promoted spare's step is stopped with the job
+
+
+def test_a_node_release_that_blocks_for_seconds_declares_nobody_silent(live: Live) -> None:
+    """Slurm 22.05 held the shrink of a drained node's release 5-10 s before refusing it ("the
+    DB index is being set"); the pass then judged silence before reading the heartbeats that had
+    come meanwhile, and declared the just-promoted spare lost (the fault campaign)."""
+    h, _ = live(ntasks=2)
+    h.world.at(3.0, lambda: h.slurm.set_node("c2", "MIXED", "DRAIN", reason=DRAIN_REASON))
+    shrink = h.slurm.shrink_job
+
+    def blocked(job_id: int, keep_nodes: Any) -> None:
+        h.clock.advance(CONFIG.heartbeat_timeout + 1.0)  # the loop waits on scontrol meanwhile
+        shrink(job_id, keep_nodes)
+    h.slurm.shrink_job = blocked  # type: ignore[method-assign]
+
+    result = h.run()
+
+    assert (result.state, result.restarts) == (RunState.SUCCEEDED, 0)
+    assert not h.of_kind(ev.HEARTBEAT_LOST) and not h.of_kind(ev.FAILED)
+    (released,) = h.of_kind(ev.NODE_RELEASED)
+    assert released.fields["node"] == "c2"
