@@ -4,7 +4,7 @@
     TP_CLUSTER_FLAVOR=bookworm python3 -m benchmarks.campaign --faults 50 [--json F]
 
 Every job is the example training under ``tp run`` (tp-submit -N 3 --spares 2, the quick
-model, 24 steps, a checkpoint every 6) and takes as many faults as it has spares, each at a
+model, 30 steps, a checkpoint every 6) and takes as many faults as it has spares, each at a
 drawn committed step in its own window of the run, on a drawn active node that is not the
 batch host (the supervisor lives there: its loss is a restart by design, not a migration to
 measure). The classes:
@@ -61,7 +61,7 @@ DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "campaign.json"
 
 @dataclass(frozen=True)
 class CampaignSizing:
-    steps: int = 24
+    steps: int = 30  # the second window (steps 12-16) must end well before the last step: a drain is seen seconds late
     step_sleep: float = 0.3
     ckpt_every: int = 6
     model: tuple[int, int] = (128, 2)

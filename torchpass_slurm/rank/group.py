@@ -12,6 +12,13 @@ group but does not close gloo's pairs: they close when the last reference
 (the DDP reducer, the failed call's frames) goes. Hence
 :func:`release_references` before :func:`destroy_group`.
 
+The failed rank shuts its own recorded sockets down first
+(:func:`shut_down_broken_group`): dropping the group runs gloo's destructor, which waits
+for the group's queued work (DDP's other buckets) to finish, with the GIL held. On the
+dev cluster (torch 2.6) a rank whose peer was killed sat 5 s in ``destroy_process_group``,
+its heartbeat thread starved, and with per-node heartbeats its whole node was declared
+silent. With the sockets shut down, that work fails at once.
+
 A frozen or powered-off peer sends nothing, so no teardown reaches the
 survivors waiting on it; only an abort from another thread can
 (:func:`abort_group_before`, called when the supervisor's reconfigure
@@ -60,6 +67,7 @@ __all__ = [
     "adopt_group",
     "adopt_subgroup_sockets",
     "destroy_group",
+    "shut_down_broken_group",
     "release_references",
     "superseding",
     "abort_group_before",
@@ -220,6 +228,19 @@ def destroy_group(log: logging.LoggerAdapter[logging.Logger]) -> None:
             dist.destroy_process_group()
         except RuntimeError as exc:  # torch's errors (DistError too) are RuntimeErrors; it is gone anyway
             log.debug("destroying the process group: %r", exc)
+
+
+def shut_down_broken_group(log: logging.LoggerAdapter[logging.Logger]) -> int:
+    """This rank's collective failed: shut the live group's recorded sockets down before anything
+    drops the group (see the module doc), so that no queued work holds its destructor. How many
+    were shut down (0 when there is no record, or an abort did it already). The group is never
+    used again: every failure is followed by a new epoch."""
+    with _lock:
+        live = _live
+        if live is None or live.aborted:
+            return 0
+        live.aborted = True
+        return _shut_down(live.sockets, log)
 
 
 def release_references(exc: BaseException) -> None:

@@ -215,3 +215,68 @@ def test_only_an_unplanned_reconfigure_aborts_the_old_group(
 
     assert old.aborts == (0 if planned else 1)  # a planned switch votes on the old group first
     assert rt.reconfigures.get_nowait().epoch == 1
+
+
+# --- the teardown never starves the heartbeat thread ----------------------------------------------
+
+#: Longest the failed rank's other threads may go without the GIL during its teardown.
+MAX_STARVED_S = 1.5
+
+
+def _rank_with_queued_work(port: int, out: str) -> None:
+    """Rank 0: an all-reduce is queued that its peer never joins (DDP's next bucket, while the peer
+    sits elsewhere); then its step fails and it tears down, while a thread ticks as the heartbeat
+    thread would. How long did that thread go without running?"""
+    import threading
+
+    rt = Runtime(Role.ACTIVE, info(0, 2, port), environ={}, client=FakeClient())
+    rt.init_process_group("gloo", datetime.timedelta(seconds=PEER_TIMEOUT_S))
+    model = nn.Linear(4, 1)
+    trainer = ElasticTrainer(rt, model, torch.optim.SGD(model.parameters(), lr=0.1), state={})
+    work = dist.all_reduce(torch.ones(1 << 16), async_op=True)
+    time.sleep(0.5)  # the work is in gloo's worker, waiting on rank 1
+    del work
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.02)
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    began = time.monotonic()
+    trainer._tear_down(GLOO_RESET)
+    took = time.monotonic() - began
+    time.sleep(0.1)
+    stop.set()
+    ticker.join()
+    gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False)]
+    Path(out, "teardown").write_text(f"{took} {max(gaps)}")
+    os._exit(0)
+
+
+def _absent_peer(port: int, out: str) -> None:
+    """Rank 1: in the group, but never in rank 0's all-reduce (until its timeout, long after)."""
+    rt = Runtime(Role.ACTIVE, info(1, 2, port), environ={}, client=FakeClient())
+    rt.init_process_group("gloo", datetime.timedelta(seconds=PEER_TIMEOUT_S))
+    time.sleep(20)
+    os._exit(0)
+
+
+def test_a_rank_with_queued_work_tears_down_without_holding_the_gil(store: int, tmp_path: Path) -> None:
+    """Seen on the dev cluster: a rank sat 5 s in ``destroy_process_group`` with the GIL held
+    (gloo's destructor waits for queued work), and its node's heartbeats stopped. Measured in
+    a cluster node with torch 2.6 (Debian's) and this scenario: the teardown had not ended after
+    60 s without the sockets shut down first, 0.11 s with. torch 2.13's gloo does not wait."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=f, args=(store, str(tmp_path))) for f in (_rank_with_queued_work, _absent_peer)]
+    for p in procs:
+        p.start()
+    procs[0].join(JOIN_TIMEOUT_S)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    took, starved = map(float, (tmp_path / "teardown").read_text().split())
+    assert took < MAX_STARVED_S and starved < MAX_STARVED_S, (took, starved)
