@@ -137,13 +137,15 @@ class ControlClient:
             if left <= 0:
                 return None
 
-    def recv_or_wake(self, timeout: timedelta, wake_fd: int) -> Message | None:
-        """The next authentic message, or None after ``timeout`` or as soon as ``wake_fd`` is
-        readable: one poll, holding the lock, for the one thread that owns this client (the
-        heartbeat thread, woken by its outbox). A message that fails a check ends the wait too."""
+    def recv_or_wake(self, timeout: timedelta, wake_fd: int | None = None) -> Message | None:
+        """The next authentic message, or None after ``timeout`` or as soon as ``wake_fd`` (if
+        any) is readable: one poll, holding the lock, for the one thread that owns this client
+        (the heartbeat thread, woken by its outbox; a spare in standby, with nothing to wake it).
+        A message that fails a check ends the wait too."""
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        poller.register(wake_fd, zmq.POLLIN)
+        if wake_fd is not None:
+            poller.register(wake_fd, zmq.POLLIN)
         poller.register(self._watch.monitor, zmq.POLLIN)
         with self._lock:
             try:

@@ -17,15 +17,34 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.rank.runtime import Runtime
 
-__all__ = ["Handover", "TRANSFER_TIMEOUT"]
+if TYPE_CHECKING:
+    from torchpass_slurm.transfer import TransferStats
+
+__all__ = ["Handover", "TRANSFER_TIMEOUT", "report_transfer"]
 
 #: Timeout of one state transfer call.
 TRANSFER_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def report_transfer(rt: Runtime, donor: int, step: int, stats: TransferStats, **extra: Any) -> None:
+    """``transfer_done``: this rank received the state of ``step`` from ``donor``."""
+    rt.report(
+        ReportKind.TRANSFER_DONE,
+        donor=donor,
+        receiver=rt.rank,
+        step=step,
+        bytes=stats.bytes,
+        seconds=round(stats.seconds, 4),
+        retries=stats.retries,
+        resumed_from=stats.resumed_from,
+        epoch=rt.epoch,
+        **extra,
+    )
 
 
 class Handover:
@@ -96,14 +115,4 @@ class Handover:
             obj.load_state_dict(received[name])
         self._progress = None
         self.received = True
-        self.rt.report(
-            ReportKind.TRANSFER_DONE,
-            donor=donor,
-            receiver=self.rt.rank,
-            step=step,
-            bytes=stats.bytes,
-            seconds=round(stats.seconds, 4),
-            retries=stats.retries,
-            resumed_from=stats.resumed_from,
-            epoch=self.rt.epoch,
-        )
+        report_transfer(self.rt, donor, step, stats)

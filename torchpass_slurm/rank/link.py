@@ -99,7 +99,7 @@ class ControlClientLike(Protocol):
 
     def close(self) -> None: ...
 
-    # optional: ``recv_or_wake(timeout, fd) -> Message | None``, a wait that a readable ``fd`` ends
+    # optional: ``recv_or_wake(timeout, fd=None) -> Message | None``, a wait that a readable ``fd`` ends
 
 
 #: Makes a connected client: (endpoint, secret file, sender id) -> client.
@@ -133,24 +133,20 @@ def wait_for_promotion(
     client.send(Kind.STANDBY, standby)
     log.info("standby: waiting for promote or stop")
     waited = datetime.timedelta(0)
-    wake = os.pipe2(os.O_CLOEXEC) if callable(getattr(client, "recv_or_wake", None)) else None
-    try:
-        while timeout is None or waited < timeout:
-            waiting = client.recv_or_wake if wake is not None else None  # type: ignore[attr-defined]
-            msg = waiting(interval, wake[0]) if waiting is not None and wake else client.recv(interval)
-            waited += interval
-            if orphan is not None:
-                orphan.check(client)
-            if msg is None:
-                client.send(Kind.HEARTBEAT, beat())
-            elif msg.kind in (Kind.PROMOTE, Kind.STOP):
-                return msg
-            else:
-                log.warning("ignoring unexpected %r message in standby", msg.kind)
-    finally:
-        if wake is not None:
-            for fd in wake:
-                os.close(fd)
+    receive = getattr(client, "recv_or_wake", None)
+    if not callable(receive):
+        receive = client.recv
+    while timeout is None or waited < timeout:
+        msg = receive(interval)
+        waited += interval
+        if orphan is not None:
+            orphan.check(client)
+        if msg is None:
+            client.send(Kind.HEARTBEAT, beat())
+        elif msg.kind in (Kind.PROMOTE, Kind.STOP):
+            return msg
+        else:
+            log.warning("ignoring unexpected %r message in standby", msg.kind)
     raise ControlPlaneError(
         f"no promote or stop message within {timeout} of standby",
         hint="is the supervisor (tp run) still alive?",

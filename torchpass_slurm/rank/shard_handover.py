@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.errors import NoReplicaError, TransferError
-from torchpass_slurm.rank.handover import TRANSFER_TIMEOUT
+from torchpass_slurm.rank.handover import TRANSFER_TIMEOUT, report_transfer
 from torchpass_slurm.rank.layout import MeshLayout, assign_donors
 from torchpass_slurm.rank.runtime import Runtime
 from torchpass_slurm.rank.shard_state import check_specs, load_local_state, local_state
@@ -234,18 +234,7 @@ class ShardHandover:
         load_local_state(model, optimizer, received)
         self.received = True
         self.received_bytes = stats.bytes
-        self.rt.report(
-            ReportKind.TRANSFER_DONE,
-            donor=donor,
-            receiver=self.rt.rank,
-            step=step,
-            bytes=stats.bytes,
-            seconds=round(stats.seconds, 4),
-            retries=stats.retries,
-            resumed_from=stats.resumed_from,
-            via="socket" if leaving else "group",
-            epoch=self.rt.epoch,
-        )
+        report_transfer(self.rt, donor, step, stats, via="socket" if leaving else "group")
 
 
 # --- a rank leaving by a drain, and the spare that takes its rank ------------------------
