@@ -64,23 +64,46 @@ class Report(Protocol):
 class HealthAgent(threading.Thread):
     """Checks this node's health periodically; reports the first warning."""
 
-    def __init__(self, report: Report, node: str, interval: float) -> None:
+    def __init__(self, report: Report | None, node: str, interval: float) -> None:
         super().__init__(name="torchpass-health", daemon=True)
+        #: None while the rank is a spare in standby: a warning is held until :meth:`deliver`
         self.report = report
         self.node = node
         self.interval = interval
         self.stopping = threading.Event()
         self.reported = False
+        self._lock = threading.Lock()
+        self._held: list[dict[str, Any]] = []
 
     @classmethod
-    def maybe_start(cls, report: Report, *, node: str, local_rank: int) -> HealthAgent | None:
-        """Start the agent on local rank 0 when ``TORCHPASS_HEALTH_INTERVAL`` is > 0."""
+    def maybe_start(cls, report: Report | None, *, node: str, local_rank: int) -> HealthAgent | None:
+        """Start the agent on local rank 0 when ``TORCHPASS_HEALTH_INTERVAL`` is > 0.
+
+        A spare starts it in standby with ``report`` None: its samples give the ECC rate a
+        baseline from the job's start, so errors that rise while it is being promoted are a
+        rate, not its first sample (a campaign fault injected 1 s after a promotion went
+        unreported). What it finds meanwhile is held, and reported on :meth:`deliver`."""
         interval = env_float(ENV_HEALTH_INTERVAL, DEFAULT_HEALTH_INTERVAL_S)
         if interval <= 0 or local_rank != 0:
             return None
         agent = cls(report, node, interval)
         agent.start()
         return agent
+
+    def deliver(self, report: Report) -> None:
+        """The spare was promoted: report through ``report`` from now on, and what was held."""
+        with self._lock:
+            self.report, held, self._held = report, self._held, []
+        for fields in held:
+            report(ReportKind.HEALTH_WARNING, **fields)
+
+    def _report(self, **fields: Any) -> None:
+        with self._lock:
+            report = self.report
+            if report is None:
+                self._held.append(fields)
+                return
+        report(ReportKind.HEALTH_WARNING, **fields)
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop the thread and wait up to ``timeout`` seconds for it (idempotent)."""
@@ -135,7 +158,7 @@ class HealthAgent(threading.Thread):
         if bad:  # even when another check broke (UNKNOWN ranks above WARNING in report.status)
             summary = "; ".join(r.message for r in bad)[:300]
             status = max(bad, key=lambda r: r.status).status.name
-            self.report(ReportKind.HEALTH_WARNING, node=self.node, status=status, summary=summary)
+            self._report(node=self.node, status=status, summary=summary)
             self.reported = True
             logger.warning("health agent on %s: %s: %s", self.node, status, summary)
         elif report.status == Status.UNKNOWN:

@@ -56,6 +56,7 @@ from torchpass_slurm.config import (
 from torchpass_slurm.control.bodies import Promote, Reconfigure
 from torchpass_slurm.control.messages import Kind, ReportKind
 from torchpass_slurm.errors import ControlPlaneError
+from torchpass_slurm.health.agent import HealthAgent
 from torchpass_slurm.phase import Phase
 from torchpass_slurm.rank.group import destroy_group, superseding
 from torchpass_slurm.rank.link import (
@@ -141,7 +142,7 @@ class Runtime:
         #: the promote message, for a promoted spare
         self.promotion: Promote | None = None
         self._rendezvous = EpochRendezvous(self.log)
-        self._health: Any = None
+        self._health: HealthAgent | None = None
 
     # -- construction --
 
@@ -178,11 +179,12 @@ class Runtime:
         if self._client is not None:
             self._send(Kind.HELLO, self._hello_body())
             self._start_heartbeat()
-            from torchpass_slurm.health.agent import HealthAgent
-
-            self._health = HealthAgent.maybe_start(
-                self.report, node=self.node, local_rank=self.info.local_rank
-            )
+            if self._health is not None:  # started in standby
+                self._health.deliver(self.report)
+            else:
+                self._health = HealthAgent.maybe_start(
+                    self.report, node=self.node, local_rank=self.info.local_rank
+                )
         self.log.info(
             "%s rank %d of %d (local %d of %d)",
             self.role.value,
@@ -370,15 +372,13 @@ class Runtime:
     def _wait_for_promotion(self, timeout: datetime.timedelta | None) -> None:
         self.state = Phase.STANDBY
         assert self._client is not None
-        standby = {
-            "node": self.node,
-            "pid": os.getpid(),
-            "local_rank": _int(self._environ, "SLURM_LOCALID", default=0),
-        }
+        local_rank = _int(self._environ, "SLURM_LOCALID", default=0)
+        standby = {"node": self.node, "pid": os.getpid(), "local_rank": local_rank}
         orphan = Orphan(
             self._environ, node=self.node, sender=str(getattr(self._client, "sender", "")), log=self.log
         )
         interval = datetime.timedelta(seconds=self._config.heartbeat_interval)
+        self._health = HealthAgent.maybe_start(None, node=self.node, local_rank=local_rank)
         msg = wait_for_promotion(self._client, interval, standby, self._beat_body, self.log, timeout, orphan)
         if msg.kind == Kind.STOP:
             self._exit_on_stop(msg)

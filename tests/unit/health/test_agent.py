@@ -90,6 +90,41 @@ def test_the_ecc_samples_go_to_the_run_folder(agent: HealthAgent, tmp_path: Path
     assert (tmp_path / "run" / ".torchpass" / "health-c2.json").exists()
 
 
+# --- a spare's agent: it samples in standby, and reports once promoted -------------------
+
+
+def test_a_spares_warning_is_held_until_its_promotion(health_env: Path, recorder: Recorder,
+                                                       tmp_path: Path) -> None:
+    spare = HealthAgent(None, "c2", interval=1.0)
+    simulate(tmp_path, temperature_c=86)
+    spare.judge(spare.check())
+    assert spare.reported and recorder.reports == []  # in standby there is nobody to tell yet
+    spare.deliver(recorder)
+    ((event, fields),) = recorder.reports
+    assert event == "health_warning" and fields["status"] == "WARNING" and fields["node"] == "c2"
+
+
+def test_errors_that_rise_as_a_spare_is_promoted_are_a_rate_from_its_standby_samples(
+        health_env: Path, recorder: Recorder, tmp_path: Path) -> None:
+    """The campaign's fault 49: 50,000 corrected errors appeared on a node 1 s after its promotion.
+    An agent started at the promotion took them as its first sample (no rate, no warning)."""
+    (tmp_path / "health.toml").write_text(f'disk_paths = ["{tmp_path}"]\necc_rate_min_interval_s = 1.0\n')
+    simulate(tmp_path)
+    spare = HealthAgent(None, "c2", interval=1.0)
+    spare.judge(spare.check())  # in standby: no errors
+    time.sleep(1.1)  # a rate needs samples at least ecc_rate_min_interval_s apart (1 s at least)
+    simulate(tmp_path, ecc_corrected=50_000)
+    spare.deliver(recorder)
+    spare.judge(spare.check())
+    ((event, fields),) = recorder.reports
+    assert event == "health_warning" and "ECC" in fields["summary"], fields
+
+    started_late = HealthAgent(Recorder(), "c3", interval=1.0)  # what an agent started at promotion saw
+    (tmp_path / "c3.json").write_text((tmp_path / "c2.json").read_text())
+    started_late.judge(started_late.check())
+    assert not started_late.reported
+
+
 # --- the thread: started on local rank 0 only, stopped by close() ----------------------
 
 
