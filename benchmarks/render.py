@@ -55,16 +55,22 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 def overhead_table(r: Mapping[str, Any]) -> list[str]:
     runs, median = r["runs"], r["median_tokens_per_s"]
     rows = [[f"run {i + 1}", _num(p["tokens_per_s"], 0), _num(t["tokens_per_s"], 0),
-             f"{100 * (1 - t['tokens_per_s'] / p['tokens_per_s']):+.1f} %"]
+             f"{100 * (1 - t['tokens_per_s'] / p['tokens_per_s']):+.1f} %",
+             _share(t.get("supervisor_core_percent")), _share(t.get("srun_core_percent"))]
             for i, (p, t) in enumerate(zip(runs["plain"], runs["tp"]))]
     rows.append(["**median**", f"**{median['plain']:.0f}**", f"**{median['tp']:.0f}**",
-                 f"**{r['overhead_percent']:+.1f} %**"])
+                 f"**{r['overhead_percent']:+.1f} %**", _share(r.get("median_supervisor_core_percent")), ""])
     same = "the same" if r["same_final_loss"] else "NOT the same"
     bitwise = ", ".join(f"{name}: {'yes' if ok else 'no'}" for name, ok in r["bitwise_equal_within_mode"].items())
     return _table(("run", "plain srun + DDP (tokens/s)", "tp run, 1 hot spare (tokens/s)",
-                   "throughput lost under tp run"), rows) + [
+                   "throughput lost under tp run", "tp run's supervisor (% of a core)",
+                   "its srun steps (% of a core)"), rows) + [
         "", f"Final loss {same} in every run, plain and tp; bitwise equal final weights "
             f"across the runs of a mode: {bitwise}."]
+
+
+def _share(percent: float | None) -> str:
+    return "-" if percent is None else f"{percent:.2f} %"
 
 
 def job_seconds(run: Mapping[str, Any]) -> float:

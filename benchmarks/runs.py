@@ -27,6 +27,7 @@ from typing import Any
 
 from benchmarks import jobs
 from scripts.devcluster import COMPUTE
+from torchpass_slurm import events as ev
 from torchpass_slurm.analysis.report_totals import job_json
 from torchpass_slurm.cli.report import load_report
 
@@ -100,6 +101,8 @@ def overhead(size: Sizing) -> dict[str, Any]:
         "runs": runs,
         "median_tokens_per_s": median,
         "overhead_percent": round(100.0 * (1.0 - median["tp"] / median["plain"]), 2),
+        "median_supervisor_core_percent": _median_or_none(
+            [r["supervisor_core_percent"] for r in runs["tp"] if "supervisor_core_percent" in r]),
         "same_final_loss": len(losses) == 1,
         "bitwise_equal_within_mode": {name: len({r["params_sha256"] for r in rs}) == 1
                                       for name, rs in runs.items()},
@@ -114,7 +117,26 @@ def _throughput(job: jobs.Job) -> dict[str, Any]:
                               f"the end of its output:\n{out[-1500:]}")
     return {"job": job.job_id, "job_seconds": round(job.seconds, 2), "steps": int(tput.group(1)),
             "seconds": float(tput.group(2)), "tokens_per_s": float(tput.group(3)),
-            "final_loss": done.group(2), "params_sha256": done.group(3)}
+            "final_loss": done.group(2), "params_sha256": done.group(3), **_supervisor_cost(job)}
+
+
+def _median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _supervisor_cost(job: jobs.Job) -> dict[str, float]:
+    """A tp run job's own CPU beyond its training (its ``finished`` event), as a share of one
+    core over the job's time: the supervisor's threads, and its srun children. Nothing for a
+    plain job (no event log)."""
+    path = jobs.CLUSTER.host_path(f"{job.folder}/{ev.EVENTS_FILE}")
+    if not path.exists():
+        return {}
+    finished = [e for e in ev.read_events(path) if e.kind == ev.FINISHED]
+    if not finished or "supervisor_cpu_s" not in finished[-1].fields:
+        return {}
+    fields = finished[-1].fields
+    return {key.replace("_cpu_s", "_core_percent"): round(100.0 * float(fields[key]) / job.seconds, 2)
+            for key in ("supervisor_cpu_s", "srun_cpu_s")}
 
 
 # --- recovery-time split ----------------------------------------------------------

@@ -84,7 +84,7 @@ DRAIN_SEEN = "drain_seen"  # an admin drain on a node of the job
 SPARE_PROMOTED = "spare_promoted"  # a spare took over a failed node's slot
 SPARE_LOST = "spare_lost"  # a spare died on standby
 RESTARTED = "restarted"  # fell back to checkpoint-restart
-FINISHED = "finished"  # the training ended successfully
+FINISHED = "finished"  # the training ended well (exit_code=, restarts=, supervisor_cpu_s=, srun_cpu_s=)
 FAILED = "failed"  # the job gave up
 # live migration (docs/protocol.md, "Recovery"); the fields each carries are listed there
 MIGRATION_STARTED = "migration_started"  # supervisor: failed nodes -> spares, new epoch announced

@@ -312,5 +312,19 @@ class Executor:
         self.launcher.stop(self.job.steps.values(), self.config.stop_timeout)
         self.job.state, self.job.exit_code, self.job.message = state, exit_code, message
         kind = ev.FINISHED if state == RunState.SUCCEEDED else ev.FAILED
-        self.events.append(kind, exit_code=exit_code, message=message, restarts=self.job.restarts)
+        self.events.append(
+            kind, exit_code=exit_code, message=message, restarts=self.job.restarts, **supervisor_cpu()
+        )
         (logger.info if state == RunState.SUCCEEDED else logger.error)("%s (exit %d)", message, exit_code)
+
+
+def supervisor_cpu() -> dict[str, float]:
+    """CPU seconds this supervisor used (its threads), and its ``srun`` children that have ended:
+    what a job under tp run costs beyond its training, in the ``finished`` / ``failed`` event."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {
+        "supervisor_cpu_s": round(own.ru_utime + own.ru_stime, 3),
+        "srun_cpu_s": round(children.ru_utime + children.ru_stime, 3),
+    }

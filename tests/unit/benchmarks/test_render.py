@@ -34,9 +34,11 @@ RESULTS: dict[str, Any] = {
     "environment": {"date": "2026-11-30T12:00:00+00:00", "host": "box", "cpus": 2, "sizing": "default"},
     "overhead": {
         "runs": {"plain": [{"tokens_per_s": 1000.0}, {"tokens_per_s": 1100.0}],
-                 "tp": [{"tokens_per_s": 950.0}, {"tokens_per_s": 1045.0}]},
+                 "tp": [{"tokens_per_s": 950.0},  # a run from before the supervisor logged its CPU
+                        {"tokens_per_s": 1045.0, "supervisor_core_percent": 1.25, "srun_core_percent": 0.4}]},
         "median_tokens_per_s": {"plain": 1050.0, "tp": 997.5},
         "overhead_percent": 5.0,
+        "median_supervisor_core_percent": 1.25,
         "same_final_loss": True,
         "bitwise_equal_within_mode": {"plain": True, "tp": True},
     },
@@ -69,9 +71,9 @@ def rows_of(lines: list[str]) -> list[list[str]]:
 
 def test_overhead_table_has_each_run_the_median_and_the_loss() -> None:
     rows = rows_of(render.overhead_table(RESULTS["overhead"]))
-    assert rows[2] == ["run 1", "1000", "950", "+5.0 %"]
-    assert rows[3] == ["run 2", "1100", "1045", "+5.0 %"]
-    assert rows[4] == ["**median**", "**1050**", "**998**", "**+5.0 %**"]
+    assert rows[2] == ["run 1", "1000", "950", "+5.0 %", "-", "-"]
+    assert rows[3] == ["run 2", "1100", "1045", "+5.0 %", "1.25 %", "0.40 %"]
+    assert rows[4] == ["**median**", "**1050**", "**998**", "**+5.0 %**", "1.25 %", ""]
     assert "Final loss the same in every run" in render.overhead_table(RESULTS["overhead"])[-1]
 
 
