@@ -5,29 +5,49 @@ maintenance can start); a node that died or went silent leaves once its
 recovery has started (left in, it would hold the finished job in COMPLETING
 until Slurm declared it DOWN). Each node's ``node_released`` event says how
 it went; a failed shrink leaves the node in the job until its end.
+
+The shrinks run on a thread of their own, one at a time, never on the loop's:
+Slurm 22.05 held a refused shrink ("the DB index is being set") 5-10 s before
+it answered, and meanwhile the loop read no message and wrote no status. The
+loop logs what they did (:meth:`Allocation.collect`, every pass) and waits
+for the last ones at its end (:meth:`Allocation.close`).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 
 from torchpass_slurm import events as ev
 from torchpass_slurm.errors import SlurmError
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.supervisor.state import JobState
 
-__all__ = ["Allocation"]
+__all__ = ["Allocation", "CLOSE_TIMEOUT_S"]
 
 logger = logging.getLogger(__name__)
 
+#: Seconds :meth:`Allocation.close` waits for the shrinks still running (scontrol's own
+#: timeout is shorter); those still running are not logged.
+CLOSE_TIMEOUT_S = 30.0
+
+#: (nodes, reason) to shrink out; None ends the thread
+_Order = tuple[list[str], str] | None
+
 
 class Allocation:
-    """Shrinks one job's allocation through Slurm."""
+    """Shrinks one job's allocation through Slurm, off the loop's thread."""
 
     def __init__(self, job: JobState, *, slurm: SlurmBackend, events: ev.EventLog) -> None:
         self.job = job
         self.slurm = slurm
         self.events = events
+        self._orders: queue.SimpleQueue[_Order] = queue.SimpleQueue()
+        #: (nodes, reason, the error, or None when they left)
+        self._outcomes: queue.SimpleQueue[tuple[list[str], str, str | None]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.pending = 0
 
     def release(self, node: str) -> None:
         """A drained node's step has ended: give the node back to Slurm (it becomes DRAINED)."""
@@ -36,15 +56,53 @@ class Allocation:
         self.shrink_out([node], reason="drained")
 
     def shrink_out(self, nodes: list[str], *, reason: str) -> None:
-        """Shrink the job to its other nodes; a NODE_RELEASED event per node says how it went."""
+        """Shrink the job to its other nodes, on the shrink thread; :meth:`collect` logs a
+        NODE_RELEASED event per node once it is done."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="torchpass-shrink", daemon=True)
+            self._thread.start()
+        self.pending += 1
+        self._orders.put((list(nodes), reason))
+
+    def collect(self) -> None:
+        """Log the shrinks that are done (on the loop's thread, which owns the event log)."""
+        while True:
+            try:
+                nodes, reason, error = self._outcomes.get_nowait()
+            except queue.Empty:
+                return
+            self.pending -= 1
+            for node in nodes:
+                extra = {} if error is None else {"error": error}
+                self.events.append(ev.NODE_RELEASED, node=node, released=error is None, reason=reason, **extra)
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Wait up to ``timeout`` for the shrinks still running, log them, end the thread."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._orders.put(None)
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("a shrink of job %s is still running after %.0f s: not waited for", self.job.job_id,
+                           timeout)
+        self.collect()
+
+    def _work(self) -> None:
+        while (order := self._orders.get()) is not None:
+            nodes, reason = order
+            self._outcomes.put((nodes, reason, self._shrink(nodes)))
+
+    def _shrink(self, nodes: list[str]) -> str | None:
+        """Shrink the job to its nodes but ``nodes``; the error, or None."""
         try:
             keep = [n for n in self.slurm.job(self.job.job_id).nodes if n not in nodes]
             if keep:
                 self.slurm.shrink_job(self.job.job_id, keep)
         except SlurmError as err:  # the nodes leave when the job ends instead
             logger.warning("could not release %s from job %s: %s", ",".join(nodes), self.job.job_id, err)
-            for node in nodes:
-                self.events.append(ev.NODE_RELEASED, node=node, released=False, reason=reason, error=str(err))
-            return
-        for node in nodes:
-            self.events.append(ev.NODE_RELEASED, node=node, released=True, reason=reason)
+            return str(err)
+        except Exception as err:  # deliberately broad: the thread must report, not die silently
+            logger.exception("releasing %s from job %s failed", ",".join(nodes), self.job.job_id)
+            return repr(err)
+        return None

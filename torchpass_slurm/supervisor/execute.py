@@ -311,6 +311,7 @@ class Executor:
             self.orders.stop_standby(node, message)
         self.launcher.stop(self.job.steps.values(), self.config.stop_timeout)
         self.job.state, self.job.exit_code, self.job.message = state, exit_code, message
+        self.allocation.close()  # the releases in flight are logged before the end
         kind = ev.FINISHED if state == RunState.SUCCEEDED else ev.FAILED
         self.events.append(
             kind, exit_code=exit_code, message=message, restarts=self.job.restarts, **supervisor_cpu()

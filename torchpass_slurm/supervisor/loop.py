@@ -165,6 +165,7 @@ class Supervisor:
                 self.executor.orders.advance()
                 self.launcher.enforce()
                 self._reap()
+                self.executor.allocation.collect()
                 faults = self.detectors.detect()
                 if faults:
                     self._recover(faults)
@@ -181,6 +182,7 @@ class Supervisor:
                 self.executor.finish(RunState.FAILED, 1, f"supervisor stopped: {err!r}")
             raise
         finally:
+            self.executor.allocation.close()
             self._write_status(force=True)
             if self.probe is not None:
                 self.probe.close()
