@@ -206,20 +206,29 @@ class ElasticTrainer:
         self._started = True
         if self.rt.world_size > 1 or (self.rt.info and self.rt.info.store_addr):
             self.rt.init_process_group(self.backend, collective_timeout(), RENDEZVOUS_TIMEOUT)
-        self.rt.report(ReportKind.LIVE_READY, step=self.step, epoch=self.rt.epoch)
+        self.rt.report(ReportKind.LIVE_READY, step=self.step, epoch=self.rt.epoch, **self._get_ready())
         promotion = self.rt.promotion
         if self.rt.is_spare_promoted and promotion is not None and promotion.mode == PromoteMode.LIVE:
             self.step = -1
             self._first_step_pending = True
             try:
-                self._sync_state()
-                self._restore_rank_state(self.step)
+                self._receive_live()
+                self._restore_rank_state(self.step)  # the lost rank's own, from the promotion
             except Exception as exc:  # judged below: the donor died mid-transfer, or a bug
                 self._recover_or_raise(exc)
                 return
         elif self.rank_state is not None:
             self.rank_state.capture(self.step)
         self._wrap()
+
+    def _get_ready(self) -> dict[str, Any]:
+        """What :meth:`start` does in the group before it says ``live_ready``, and what that
+        report says besides the step (nothing here; a sharded trainer builds its mesh)."""
+        return {}
+
+    def _receive_live(self) -> None:
+        """A spare promoted live joins the first agreement and receives the state."""
+        self._sync_state()
 
     def resume_from_checkpoint(self, directory: Any) -> int:
         """Load the newest checkpoint unless the state came live from a replica; the step."""

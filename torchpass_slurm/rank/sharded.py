@@ -35,10 +35,10 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
-from torchpass_slurm.control.bodies import PromoteMode, Reconfigure
+from torchpass_slurm.control.bodies import Reconfigure
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.errors import TransferError
-from torchpass_slurm.rank.elastic import RENDEZVOUS_TIMEOUT, ElasticTrainer, collective_timeout
+from torchpass_slurm.rank.elastic import ElasticTrainer
 from torchpass_slurm.rank.group import adopt_subgroup_sockets, destroy_group, group_sockets, socket_inodes
 from torchpass_slurm.rank.layout import MeshLayout
 from torchpass_slurm.rank.runtime import Runtime
@@ -100,29 +100,14 @@ class ShardedTrainer(ElasticTrainer):
         return self.shard_handover.received
 
     # -- the loop ------------------------------------------------------------
-    def start(self) -> None:
-        """Join the group, build the mesh and the model; a spare promoted live receives its
-        shards first. Idempotent."""
-        if self._started:
-            return
-        self._started = True
-        if self.rt.world_size > 1 or (self.rt.info and self.rt.info.store_addr):
-            self.rt.init_process_group(self.backend, collective_timeout(), RENDEZVOUS_TIMEOUT)
+    def _get_ready(self) -> dict[str, Any]:
+        """Build the mesh and the model before ``live_ready``, which says the mesh."""
         self._rebuild()
-        self.rt.report(ReportKind.LIVE_READY, step=self.step, epoch=self.rt.epoch, mesh=self.layout.to_json())
-        promotion = self.rt.promotion
-        if self.rt.is_spare_promoted and promotion is not None and promotion.mode == PromoteMode.LIVE:
-            self.step = -1
-            self._first_step_pending = True
-            try:
-                self._handover()
-                self._restore_rank_state(self.step)  # the lost rank's own, from the promotion
-            except Exception as exc:  # judged below: the donor died mid-transfer, or a bug
-                self._recover_or_raise(exc)
-                return
-        elif self.rank_state is not None:
-            self.rank_state.capture(self.step)
-        self._wrap()
+        return {"mesh": self.layout.to_json()}
+
+    def _receive_live(self) -> None:
+        """A spare promoted live receives its coordinate's shards."""
+        self._handover()
 
     def resume_from_checkpoint(self, directory: Any) -> int:
         """Load this rank's newest shard checkpoint unless its shards came live; the step."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from typing import Any
 
 from torchpass_slurm import events as ev
 from torchpass_slurm.errors import SlurmError
@@ -73,8 +74,10 @@ class Allocation:
                 return
             self.pending -= 1
             for node in nodes:
-                extra = {} if error is None else {"error": error}
-                self.events.append(ev.NODE_RELEASED, node=node, released=error is None, reason=reason, **extra)
+                extra: dict[str, Any] = {} if error is None else {"error": error}
+                self.events.append(
+                    ev.NODE_RELEASED, node=node, released=error is None, reason=reason, **extra
+                )
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Wait up to ``timeout`` for the shrinks still running, log them, end the thread."""
@@ -84,8 +87,9 @@ class Allocation:
         self._orders.put(None)
         thread.join(timeout)
         if thread.is_alive():
-            logger.warning("a shrink of job %s is still running after %.0f s: not waited for", self.job.job_id,
-                           timeout)
+            logger.warning(
+                "a shrink of job %s is still running after %.0f s: not waited for", self.job.job_id, timeout
+            )
         self.collect()
 
     def _work(self) -> None:

@@ -319,7 +319,7 @@ class Executor:
         (logger.info if state == RunState.SUCCEEDED else logger.error)("%s (exit %d)", message, exit_code)
 
 
-def supervisor_cpu() -> dict[str, float]:
+def supervisor_cpu() -> dict[str, Any]:
     """CPU seconds this supervisor used (its threads), and its ``srun`` children that have ended:
     what a job under tp run costs beyond its training, in the ``finished`` / ``failed`` event."""
     import resource
