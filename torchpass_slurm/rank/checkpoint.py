@@ -35,7 +35,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -260,14 +260,18 @@ def _broadcast_int(value: int) -> int:
 # --- finding checkpoints -------------------------------------------------------
 
 
-def _complete_steps(directory: Path) -> list[int]:
-    """Steps of the complete checkpoints in ``directory``, oldest first."""
+#: The file a complete DCP checkpoint folder holds (written last by ``dcp.save``).
+DCP_MARKER = ".metadata"
+
+
+def _complete_steps(directory: Path, marker: str = DCP_MARKER) -> list[int]:
+    """Steps of the complete checkpoints in ``directory`` (a folder with ``marker``), oldest first."""
     if not directory.is_dir():
         return []
     steps = []
     for entry in directory.iterdir():
         m = _STEP_RE.match(entry.name)
-        if m and (entry / ".metadata").is_file():
+        if m and (entry / marker).is_file():
             steps.append(int(m.group(1)))
     return sorted(steps)
 
@@ -279,8 +283,12 @@ def latest_step(directory: str | os.PathLike[str]) -> int | None:
     checkpoint that is gone, the newest complete ``step-<N>`` folder is used.
     Folders of interrupted saves (``.tmp-*``) are never considered.
     """
-    directory = Path(directory)
-    steps = _complete_steps(directory)
+    return newest_step(Path(directory), DCP_MARKER)
+
+
+def newest_step(directory: Path, marker: str) -> int | None:
+    """:func:`latest_step` for checkpoints that are complete once they hold ``marker``."""
+    steps = _complete_steps(directory, marker)
     pointer = directory / LATEST
     if pointer.is_file():
         m = _STEP_RE.match(pointer.read_text().strip())
@@ -305,40 +313,65 @@ def save(state: Mapping[str, Any], directory: str | os.PathLike[str], step: int,
     checkpoints and deletes older ones. Raises :class:`CheckpointError` if the
     folder cannot be written.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    _require_numpy_if_distributed()
+    payload = dict(state)
+    payload[_STEP_KEY] = _step_tensor(step)
+
+    def write(tmp: Path, rank: int) -> None:
+        try:
+            dcp.save(payload, checkpoint_id=str(tmp), **_no_dist_kwargs(dcp.save))
+        except OSError as exc:
+            raise CheckpointError(
+                f"saving the checkpoint of step {step} into {tmp} failed: {exc}",
+                hint="check that the folder is on a shared, writable file system with free space",
+            ) from exc
+        except (CheckpointException, RuntimeError, ValueError, KeyError, TypeError) as exc:  # _DCP_ERRORS
+            raise CheckpointError(
+                f"saving the checkpoint of step {step} into {tmp} failed: {_reason(exc)}",
+                hint="if another rank failed first, its log has the cause",
+            ) from exc
+
+    final = staged_save(Path(directory), step, keep, write, marker=DCP_MARKER)
+    logger.info("checkpoint of step %d written to %s", step, final)
+    return final
+
+
+def staged_save(
+    directory: Path,
+    step: int,
+    keep: int,
+    write: Callable[[Path, int], None],
+    *,
+    marker: str,
+    make_folder: bool = False,
+    seal: Callable[[Path], None] | None = None,
+) -> Path:
+    """The save both checkpoint formats share (every rank calls it): rank 0 prepares a private
+    ``.tmp-step-<N>`` folder (made here with ``make_folder``); each rank writes its part into it
+    (``write(tmp, rank)``); rank 0 seals it (``seal(tmp)``, which writes ``marker`` where the
+    writers do not), renames it to ``step-<N>``, points ``latest`` at it and keeps the newest
+    ``keep`` complete ones. Barriers between the phases. The final folder."""
     if keep < 1:
         raise CheckpointError(f"keep={keep} would delete the checkpoint just written", hint="use keep >= 1")
-    import torch.distributed.checkpoint as dcp
-
-    directory = Path(directory)
     final = step_dir(directory, step)
     tmp = directory / f"{_TMP_PREFIX}{final.name}"
     rank = _dist_rank()
-    _require_numpy_if_distributed()
     if rank == 0:
         _prepare(directory, tmp)
+        if make_folder:
+            tmp.mkdir()
     _barrier()
-    payload = dict(state)
-    payload[_STEP_KEY] = _step_tensor(step)
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
-    try:
-        dcp.save(payload, checkpoint_id=str(tmp), **_no_dist_kwargs(dcp.save))
-    except OSError as exc:
-        raise CheckpointError(
-            f"saving the checkpoint of step {step} into {tmp} failed: {exc}",
-            hint="check that the folder is on a shared, writable file system with free space",
-        ) from exc
-    except (CheckpointException, RuntimeError, ValueError, KeyError, TypeError) as exc:  # _DCP_ERRORS
-        raise CheckpointError(
-            f"saving the checkpoint of step {step} into {tmp} failed: {_reason(exc)}",
-            hint="if another rank failed first, its log has the cause",
-        ) from exc
+    write(tmp, rank)
     _barrier()
     if rank == 0:
+        if seal is not None:
+            seal(tmp)
         _publish(directory, tmp, final)
-        _prune(directory, keep)
+        _prune(directory, keep, marker)
     _barrier()
-    logger.info("checkpoint of step %d written to %s", step, final)
     return final
 
 
@@ -391,8 +424,8 @@ def _publish(directory: Path, tmp: Path, final: Path) -> None:
         ) from exc
 
 
-def _prune(directory: Path, keep: int) -> None:
-    for old in _complete_steps(directory)[:-keep]:
+def _prune(directory: Path, keep: int, marker: str) -> None:
+    for old in _complete_steps(directory, marker)[:-keep]:
         shutil.rmtree(step_dir(directory, old), ignore_errors=True)
         logger.debug("deleted old checkpoint of step %d", old)
 

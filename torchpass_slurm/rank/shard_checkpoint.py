@@ -26,20 +26,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchpass_slurm.errors import CheckpointError, TransferError
 from torchpass_slurm.rank.checkpoint import (
-    LATEST,
     _barrier,
     _broadcast_int,
     _dist_rank,
-    _prepare,
-    _publish,
+    newest_step,
+    staged_save,
     step_dir,
 )
 from torchpass_slurm.rank.layout import MeshLayout
@@ -57,8 +54,6 @@ COMPLETE = "shards.json"
 CHUNK_BYTES = 4 << 20
 #: Largest manifest a load accepts (as the transfer stream).
 MAX_MANIFEST_BYTES = 64 << 20
-_STEP_RE = re.compile(r"^step-(\d+)$")
-_TMP_PREFIX = ".tmp-"
 
 
 def _rank_file(folder: Path, rank: int) -> Path:
@@ -79,35 +74,23 @@ def save(
     ``rank_state`` (name -> Stateful with a JSON state_dict) is saved with them."""
     from torchpass_slurm.rank.shard_handover import shard_meta
 
-    if keep < 1:
-        raise CheckpointError(f"keep={keep} would delete the checkpoint just written", hint="use keep >= 1")
-    directory = Path(directory)
-    final = step_dir(directory, step)
-    tmp = directory / f"{_TMP_PREFIX}{final.name}"
-    rank = _dist_rank()
-    if rank == 0:
-        _prepare(directory, tmp)
-        tmp.mkdir()
-    _barrier()
-    state, specs = local_state(model, optimizer)
-    meta = shard_meta(layout, rank, step, specs)
-    if rank_state is not None:
-        meta["rank_state"] = _own_state(rank_state, step)
-    try:
-        _write(_rank_file(tmp, rank), state, meta)
-    except OSError as exc:
-        raise CheckpointError(
-            f"writing rank {rank}'s shards of step {step} into {tmp} failed: {exc}",
-            hint="check that the folder is on a shared, writable file system with free space",
-        ) from exc
-    _barrier()
-    if rank == 0:
+    def write(tmp: Path, rank: int) -> None:
+        state, specs = local_state(model, optimizer)
+        meta = shard_meta(layout, rank, step, specs)
+        if rank_state is not None:
+            meta["rank_state"] = _own_state(rank_state, step)
+        try:
+            _write(_rank_file(tmp, rank), state, meta)
+        except OSError as exc:
+            raise CheckpointError(
+                f"writing rank {rank}'s shards of step {step} into {tmp} failed: {exc}",
+                hint="check that the folder is on a shared, writable file system with free space",
+            ) from exc
+
+    def seal(tmp: Path) -> None:
         (tmp / COMPLETE).write_text(json.dumps({"step": step, "mesh": layout.to_json()}) + "\n")
-        _publish(directory, tmp, final)
-        for old in _complete_steps(directory)[:-keep]:
-            shutil.rmtree(step_dir(directory, old), ignore_errors=True)
-    _barrier()
-    return final
+
+    return staged_save(Path(directory), step, keep, write, marker=COMPLETE, make_folder=True, seal=seal)
 
 
 def _write(path: Path, state: Any, meta: dict[str, Any]) -> None:
@@ -133,27 +116,9 @@ def _write(path: Path, state: Any, meta: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def _complete_steps(directory: Path) -> list[int]:
-    if not directory.is_dir():
-        return []
-    steps = []
-    for entry in directory.iterdir():
-        m = _STEP_RE.match(entry.name)
-        if m and (entry / COMPLETE).is_file():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
-
-
 def latest_step(directory: str | os.PathLike[str]) -> int | None:
     """The newest complete shard checkpoint's step (``latest`` preferred), or None."""
-    directory = Path(directory)
-    steps = _complete_steps(directory)
-    pointer = directory / LATEST
-    if pointer.is_file():
-        m = _STEP_RE.match(pointer.read_text().strip())
-        if m and int(m.group(1)) in steps:
-            return int(m.group(1))
-    return steps[-1] if steps else None
+    return newest_step(Path(directory), COMPLETE)
 
 
 def load_latest(
