@@ -293,7 +293,8 @@ def reanalyse(result: dict[str, Any]) -> None:
             run["bitwise_equal_to_no_fault"] = bool(ref) and run["params_sha256"] == ref
 
 
-def torchft_outcome(job: jobs.Job, walls: list[float], size: PeerSizing) -> dict[str, Any]:
+def torchft_outcome(job: jobs.Job, walls: list[float], size: PeerSizing, replicas: int = 3) -> dict[str, Any]:
+    """The torchft run's numbers from its commit logs; ``replicas``: its replica groups."""
     records = torchft_records(job)
     commits = [r for r in records if "quorum" in r and "event" not in r]
     dones = [r for r in records if "done" in r]
@@ -304,8 +305,8 @@ def torchft_outcome(job: jobs.Job, walls: list[float], size: PeerSizing) -> dict
         after = [c for c in commits if c["t"] > wall]
         changed = [c for c in after if c["quorum"] != quorum] or after
         recov.append(round(changed[0]["t"] - wall, 2) if changed else None)
-        short = [c for c in after if c["participants"] < 3]
-        back = [c for c in after if short and c["t"] > short[0]["t"] and c["participants"] >= 3]
+        short = [c for c in after if c["participants"] < replicas]
+        back = [c for c in after if short and c["t"] > short[0]["t"] and c["participants"] >= replicas]
         full.append(round(back[0]["t"] - wall, 2) if back else None)
     by_step: dict[int, int] = {}  # the last commit of each step: the final weights' history
     for c in commits:
@@ -314,7 +315,7 @@ def torchft_outcome(job: jobs.Job, walls: list[float], size: PeerSizing) -> dict
     losses = [d["loss"] for d in dones]
     restarts = [r for r in records if r.get("event") == "start" and r.get("restart", 0) > 0]
     return {"recoveries_s": recov, "full_strength_s": full, "lost_steps": rolled_back(commits),
-            "fewer_replica_steps": sum(1 for p in by_step.values() if p < 3),
+            "fewer_replica_steps": sum(1 for p in by_step.values() if p < replicas),
             "final_loss": f"{statistics.fmean(losses):.4f}" if losses else None,
             "params_sha256": hashes.pop() if len(hashes) == 1 else (None if not hashes else "differ"),
             "groups_done": len(dones), "group_restarts": [(r["group"], r["node"]) for r in restarts],
