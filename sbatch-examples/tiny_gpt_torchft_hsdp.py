@@ -13,6 +13,8 @@ torchft 0.2.0 has no HSDP entry point of its own; this is the wiring TorchTitan 
   at each new quorum), wired in with FSDP's ``set_all_reduce_hook``: after the reduce-scatter
   in the group, each shard's gradient is averaged over the participating groups by
   ``Manager.allreduce`` (what TorchTitan's hook reaches through ``ManagedProcessGroup``);
+- the Manager's settings are tiny_gpt_torchft.py's (train_ddp.py's), and ``init_sync=False``:
+  the groups' initial weights are identical by the seed;
 - ``torchft.Optimizer`` wraps AdamW: ``zero_grad`` starts the quorum, ``step`` applies the
   update only if every rank of the group agrees at ``should_commit``;
 - a recovering group heals from a healthy one shard by shard: rank ``r`` receives the sharded
@@ -152,6 +154,11 @@ def build_manager(place: GroupPlace, state: ShardState) -> Any:
         replica_id=f"tiny_gpt_hsdp_{place.group}", timeout=timedelta(seconds=MANAGER_TIMEOUT_S),
         checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=HEAL_TIMEOUT_S),
                                          device=torch.device("cpu")),
+        # Every group builds the same initial weights from the seed: torchft's docstring says to
+        # set init_sync=False then. (Its default heals every non-primary replica at step 0, and
+        # the primary is chosen per shard rank: each shard would train its first step on one
+        # group's samples, averaged as if both had contributed.)
+        init_sync=False,
         rank=place.rank, world_size=place.shards, store_addr=os.environ["MASTER_ADDR"],
         store_port=int(os.environ["MASTER_PORT"]), hostname=socket.gethostname(),
     )
