@@ -11,6 +11,12 @@ Slurm 22.05 held a refused shrink ("the DB index is being set") 5-10 s before
 it answered, and meanwhile the loop read no message and wrote no status. The
 loop logs what they did (:meth:`Allocation.collect`, every pass) and waits
 for the last ones at its end (:meth:`Allocation.close`).
+
+Slurm says when a refusal is only for now ("try again in a bit": the job's
+database index is not set yet, just after it started): such a shrink is tried
+again after :data:`RETRY_DELAYS_S`, until the job ends. In the fault campaign
+on Slurm 22.05, 23 of the released nodes were refused that way and stayed in
+their job until it ended.
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ logger = logging.getLogger(__name__)
 #: timeout is shorter); those still running are not logged.
 CLOSE_TIMEOUT_S = 30.0
 
+#: Seconds before each new try of a shrink that Slurm refused for now; then it is given up.
+RETRY_DELAYS_S = (2.0, 4.0, 8.0, 16.0)
+#: What Slurm says when a refusal is only for now.
+TRY_AGAIN = "try again"
+
 #: (nodes, reason) to shrink out; None ends the thread
 _Order = tuple[list[str], str] | None
 
@@ -48,6 +59,8 @@ class Allocation:
         #: (nodes, reason, the error, or None when they left)
         self._outcomes: queue.SimpleQueue[tuple[list[str], str, str | None]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        #: set by close(): a shrink in flight gets no more tries
+        self._closing = threading.Event()
         self.pending = 0
 
     def release(self, node: str) -> None:
@@ -84,6 +97,7 @@ class Allocation:
         thread, self._thread = self._thread, None
         if thread is None:
             return
+        self._closing.set()
         self._orders.put(None)
         thread.join(timeout)
         if thread.is_alive():
@@ -98,15 +112,24 @@ class Allocation:
             self._outcomes.put((nodes, reason, self._shrink(nodes)))
 
     def _shrink(self, nodes: list[str]) -> str | None:
-        """Shrink the job to its nodes but ``nodes``; the error, or None."""
+        """Shrink the job to its nodes but ``nodes``, tried again while Slurm says to; the
+        error, or None."""
+        delays = iter(RETRY_DELAYS_S)
         try:
-            keep = [n for n in self.slurm.job(self.job.job_id).nodes if n not in nodes]
-            if keep:
-                self.slurm.shrink_job(self.job.job_id, keep)
+            while True:
+                try:
+                    keep = [n for n in self.slurm.job(self.job.job_id).nodes if n not in nodes]
+                    if keep:
+                        self.slurm.shrink_job(self.job.job_id, keep)
+                    return None
+                except SlurmError as err:
+                    delay = next(delays, None) if TRY_AGAIN in str(err) else None
+                    if delay is None or self._closing.wait(delay):
+                        raise
+                    logger.info("Slurm cannot release %s yet; again in %.0f s", ",".join(nodes), delay)
         except SlurmError as err:  # the nodes leave when the job ends instead
             logger.warning("could not release %s from job %s: %s", ",".join(nodes), self.job.job_id, err)
             return str(err)
         except Exception as err:  # deliberately broad: the thread must report, not die silently
             logger.exception("releasing %s from job %s failed", ",".join(nodes), self.job.job_id)
             return repr(err)
-        return None

@@ -8,8 +8,11 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from torchpass_slurm import events as ev
 from torchpass_slurm.errors import SlurmError
+from torchpass_slurm.supervisor import allocation as allocation_module
 from torchpass_slurm.supervisor.allocation import Allocation
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.state import JobState
@@ -45,6 +48,14 @@ def released(path: Path) -> list[dict[str, object]]:
     return [e.fields for e in ev.read_events(path) if e.kind == ev.NODE_RELEASED] if path.exists() else []
 
 
+def settle(alloc: Allocation) -> None:
+    """Collect outcomes, as the loop does every pass, until no shrink is in flight (5 s at most)."""
+    deadline = time.monotonic() + 5
+    while alloc.pending and time.monotonic() < deadline:
+        alloc.collect()
+        time.sleep(0.01)
+
+
 def test_a_held_shrink_does_not_hold_the_caller_and_is_logged_once_done(tmp_path: Path) -> None:
     slurm = HeldSlurm()
     alloc, path = allocation(tmp_path, slurm)
@@ -54,10 +65,7 @@ def test_a_held_shrink_does_not_hold_the_caller_and_is_logged_once_done(tmp_path
     assert time.monotonic() - began < 0.5 and released(path) == [] and alloc.pending == 1
     assert "c2" in alloc.job.released  # the books change at once; Slurm's answer comes later
     slurm.go.set()
-    deadline = time.monotonic() + 5
-    while alloc.pending and time.monotonic() < deadline:
-        alloc.collect()
-        time.sleep(0.01)
+    settle(alloc)
     assert released(path) == [{"node": "c2", "released": True, "reason": "drained"}]
     assert slurm.shrinks == [["c1", "c3", "c4"]]
     alloc.close()
@@ -93,3 +101,52 @@ def test_a_backend_that_breaks_is_reported_not_fatal(tmp_path: Path) -> None:
     alloc.close()
     ((fields),) = released(path)
     assert fields["released"] is False and "unparsable" in str(fields["error"])
+
+
+class RefusedForNow(HeldSlurm):
+    """Slurm 22.05 right after a job started: "try again in a bit", ``refusals`` times."""
+
+    def __init__(self, refusals: int) -> None:
+        super().__init__()
+        self.go.set()
+        self.refusals = refusals
+        self.tries = 0
+
+    def shrink_job(self, job_id: int, keep: list[str]) -> None:
+        self.tries += 1
+        if self.tries <= self.refusals:
+            raise SlurmError("Job update not available right now, the DB index is being set, try again in a bit")
+        super().shrink_job(job_id, keep)
+
+
+def test_a_shrink_refused_for_now_is_tried_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(allocation_module, "RETRY_DELAYS_S", (0.05, 0.05, 0.05))
+    slurm = RefusedForNow(refusals=2)
+    alloc, path = allocation(tmp_path, slurm)
+    alloc.release("c2")
+    settle(alloc)
+    assert slurm.tries == 3 and slurm.shrinks == [["c1", "c3", "c4"]]
+    assert released(path) == [{"node": "c2", "released": True, "reason": "drained"}]
+    alloc.close()
+
+
+def test_the_tries_end_with_the_job_or_when_they_run_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(allocation_module, "RETRY_DELAYS_S", (30.0,))
+    slurm = RefusedForNow(refusals=5)
+    alloc, path = allocation(tmp_path, slurm)
+    alloc.release("c2")
+    time.sleep(0.2)  # the first try was refused; the thread waits 30 s for the next
+    began = time.monotonic()
+    alloc.close()  # the job ends: no more tries
+    assert time.monotonic() - began < 5 and slurm.tries == 1
+    ((fields),) = released(path)
+    assert fields["released"] is False and "try again" in str(fields["error"])
+
+    monkeypatch.setattr(allocation_module, "RETRY_DELAYS_S", (0.01, 0.01))
+    slurm = RefusedForNow(refusals=5)
+    (tmp_path / "again").mkdir()
+    alloc, path = allocation(tmp_path / "again", slurm)
+    alloc.release("c2")
+    settle(alloc)
+    assert slurm.tries == 3 and released(path)[0]["released"] is False  # 1 + 2 tries, then given up
+    alloc.close()
