@@ -49,7 +49,7 @@ from torchpass_slurm.control.bodies import PromoteMode, Reconfigure
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.errors import CollectiveError, TransferError
 from torchpass_slurm.phase import Phase
-from torchpass_slurm.rank.group import destroy_group, release_references, shut_down_broken_group
+from torchpass_slurm.rank.group import destroy_group, tearing_down
 from torchpass_slurm.rank.handover import Handover
 from torchpass_slurm.rank.rankstate import RANK_STATE_KEY, RankState
 from torchpass_slurm.rank.runtime import Runtime
@@ -386,22 +386,11 @@ class ElasticTrainer:
                 )
 
     def _tear_down(self, exc: Exception) -> None:
-        """Close the broken group's sockets now, so no peer waits on this rank until its timeout.
-
-        The recorded sockets are shut down first, so that no queued work holds gloo's
-        destructor (with the GIL: the heartbeat thread would starve). Then everything that
-        holds the group goes (the DDP wrapper, the failed call's frames): gloo closes its
-        pairs only with the group's last reference, not on destroy (``rank/group.py``). The
-        group is never reused; :meth:`Runtime.rejoin` builds the next epoch's.
-        """
-        started = time.monotonic()
-        shut = shut_down_broken_group(self.rt.log)
-        self.ddp_model = self.model
-        release_references(exc)
-        destroy_group(self.rt.log)
-        self.rt.log.info(
-            "broken group torn down in %.2f s (%d sockets shut down)", time.monotonic() - started, shut
-        )
+        """Close the broken group's sockets now, so no peer waits on this rank until its timeout,
+        and drop the group (``rank/group.py``, :func:`tearing_down`). It is never reused:
+        :meth:`Runtime.rejoin` builds the next epoch's."""
+        with tearing_down(exc, self.rt.log):
+            self.ddp_model = self.model  # the DDP wrapper holds the group
 
     def _reconfigure(self, body: Reconfigure) -> None:
         self.rt.state = Phase.RECOVERING

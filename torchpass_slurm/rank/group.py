@@ -48,13 +48,15 @@ already left its collective.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import socket
 import threading
+import time
 import traceback
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +70,7 @@ __all__ = [
     "adopt_subgroup_sockets",
     "destroy_group",
     "shut_down_broken_group",
+    "tearing_down",
     "release_references",
     "superseding",
     "abort_group_before",
@@ -241,6 +244,19 @@ def shut_down_broken_group(log: logging.LoggerAdapter[logging.Logger]) -> int:
             return 0
         live.aborted = True
         return _shut_down(live.sockets, log)
+
+
+@contextlib.contextmanager
+def tearing_down(exc: BaseException, log: logging.LoggerAdapter[logging.Logger]) -> Iterator[None]:
+    """Tear down the group that ``exc``, a failed collective, broke: its sockets are shut down
+    first (:func:`shut_down_broken_group`), the caller drops what it holds of the group in the
+    ``with`` body (the DDP wrapper), then the failure's frames go and the group is destroyed."""
+    started = time.monotonic()
+    shut = shut_down_broken_group(log)
+    yield
+    release_references(exc)
+    destroy_group(log)
+    log.info("broken group torn down in %.2f s (%d sockets shut down)", time.monotonic() - started, shut)
 
 
 def release_references(exc: BaseException) -> None:
