@@ -151,17 +151,15 @@ def outcome(system: str, job: jobs.Job, clock: peers.StepClock, size: HsdpSizing
     return peers.outcome(system, job, clock, size)
 
 
-def run_system(system: str, cases: Sequence[str], size: HsdpSizing,
-               saved: Callable[[], object]) -> dict[str, Any]:
-    """The cases of one system, its fault-free run first (the bitwise reference)."""
-    runs: dict[str, Any] = {}
+def run_system(system: str, cases: Sequence[str], size: HsdpSizing, runs: dict[str, Any],
+               saved: Callable[[], object]) -> None:
+    """The cases of one system into ``runs``, its fault-free run first (the bitwise reference)."""
     for case in ("no_fault", *(c for c in cases if c != "no_fault")):
         run = runs[case] = run_case(system, case, size)
         ref = runs["no_fault"]["params_sha256"]
         run["bitwise_equal_to_no_fault"] = bool(ref) and run["params_sha256"] == ref
         run["measured_at"] = time.strftime("%H:%M:%SZ", time.gmtime())
         saved()  # a crash later keeps what was measured
-    return runs
 
 
 # --- throughput --------------------------------------------------------------------------------
@@ -237,6 +235,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"fault cases, comma-separated, of {', '.join(CASES)} "
                         "(default all; no_fault always runs)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="systems to run (default both)")
+    p.add_argument("--steps", type=int, default=HsdpSizing.steps,
+                   help=f"steps of the fault runs (default {HsdpSizing.steps}; the fault at step 8)")
     p.add_argument("--tables", action="store_true", help="only print the tables of --json")
     a = p.parse_args(argv)
     for name, valid in (("cases", CASES), ("systems", SYSTEMS)):
@@ -249,7 +249,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def measure(a: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    size = HsdpSizing(throughput_rounds=a.rounds)
+    size = HsdpSizing(steps=a.steps, throughput_rounds=a.rounds)
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count()},
@@ -257,7 +257,7 @@ def measure(a: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> di
         "sizing": size.__dict__ | {"model": list(size.model), "kills_at": list(size.kills_at)},
         "train_args": size.train_args(size.steps, size.step_sleep, size.ckpt_every), "systems": {}}
     for system in a.systems:
-        result["systems"][system] = run_system(system, a.cases, size, lambda: save(result))
+        run_system(system, a.cases, size, result["systems"].setdefault(system, {}), lambda: save(result))
     if a.rounds and set(a.systems) == set(SYSTEMS):
         result["throughput"] = throughput(size)
     result["ended"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
