@@ -31,7 +31,7 @@ reads there: a fault-free run trains on the same samples.
 The environment (set by ``tiny_gpt_torchft.sbatch`` with ``TORCHFT_GROUP_SIZE=2``):
 ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` (the group's store, on its rank 0's node), the rank in the group from
-``SLURM_PROCID`` / ``SLURM_NTASKS`` (or ``RANK`` / ``WORLD_SIZE``), ``TORCHFT_RESTART``,
+``RANK`` / ``WORLD_SIZE`` (or ``SLURM_PROCID`` / ``SLURM_NTASKS``), ``TORCHFT_RESTART``,
 ``TORCHFT_LOG_DIR``. The commit log is ``tiny_gpt_torchft.py``'s (``torchft-g<group>.jsonl``):
 rank 0 of a group logs its commits, every rank its start (with ``"rank"``); the end is a line
 ``{"done": ...}`` with the group's mean loss and the full-state hash, and group 0's rank 0
@@ -94,8 +94,8 @@ class GroupPlace:
     def from_env(cls, env: dict[str, str] | os._Environ[str]) -> GroupPlace:
         try:
             return cls(group=int(env["REPLICA_GROUP_ID"]), groups=int(env["NUM_REPLICA_GROUPS"]),
-                       rank=int(env.get("SLURM_PROCID", env.get("RANK", "0"))),
-                       shards=int(env.get("SLURM_NTASKS", env.get("WORLD_SIZE", "1"))),
+                       rank=int(env.get("RANK", env.get("SLURM_PROCID", "0"))),
+                       shards=int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1"))),
                        restart=int(env.get("TORCHFT_RESTART", "0")))
         except KeyError as err:
             raise SystemExit(f"tiny_gpt_torchft_hsdp: {err.args[0]} is not set; start it with "
