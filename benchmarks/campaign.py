@@ -61,7 +61,7 @@ DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "campaign.json"
 
 @dataclass(frozen=True)
 class CampaignSizing:
-    steps: int = 30  # the second window (steps 12-16) must end well before the last step: a drain is seen seconds late
+    steps: int = 30  # the second window (12-16) ends well before the last: a drain is seen seconds late
     step_sleep: float = 0.3
     ckpt_every: int = 6
     model: tuple[int, int] = (128, 2)

@@ -36,7 +36,7 @@ from torchpass_slurm import events as ev
 
 def recoveries(job: jobs.Job) -> list[float]:
     """Seconds from each injected fault to the next first committed step."""
-    events = ev.read_events(jobs.CLUSTER.host_path(f"{job.folder}/{ev.EVENTS_FILE}"))
+    events = ev.read_events(job.event_log())
     firsts = [e.ts for e in events if e.kind == ev.FIRST_STEP]
     return [
         round(min((t for t in firsts if t > f["wall"]), default=float("nan")) - f["wall"], 2)

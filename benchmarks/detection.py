@@ -87,7 +87,7 @@ def detection(size: Sizing) -> dict[str, Any]:
 def measure(job: jobs.Job) -> dict[str, Any]:
     """What one run's event log says about its one fault."""
     (fault,) = job.faults
-    events = ev.read_events(jobs.CLUSTER.host_path(f"{job.folder}/{ev.EVENTS_FILE}"))
+    events = ev.read_events(job.event_log())
     return {"job": job.job_id, "state": job.state, "seconds": round(job.seconds, 2),
             "injected": {k: v for k, v in fault.items() if k != "wall"},
             **timings(events, fault["wall"])}

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.devcluster import Cluster, ClusterError
+from torchpass_slurm import events as ev
 
 CLUSTER = Cluster()
 TP_SCRIPT = "/src/sbatch-examples/tiny_gpt_tp.sbatch"
@@ -87,6 +88,10 @@ class Job:
     def output(self) -> str:
         path = CLUSTER.host_path(f"{self.folder}/slurm-{self.job_id}.out")
         return path.read_text(errors="replace") if path.exists() else ""
+
+    def event_log(self) -> Path:
+        """The host path of a tp run job's event log (its run folder's events.jsonl)."""
+        return CLUSTER.host_path(f"{self.folder}/{ev.EVENTS_FILE}")
 
 
 def new_folder(kind: str) -> str:

@@ -199,7 +199,7 @@ def held(system: str, job: jobs.Job, end_wall: float) -> float:
     else until the job ended (torchft and requeue have no notion of a drain)."""
     wall = job.faults[0]["wall"]
     if system in ("torchpass", "restart"):
-        events = ev.read_events(jobs.CLUSTER.host_path(f"{job.folder}/{ev.EVENTS_FILE}"))
+        events = ev.read_events(job.event_log())
         done = next((e.ts for e in events if e.kind == ev.MIGRATION_DONE and e.ts > wall), None)
         if done is not None:
             return round(done - wall, 2)
@@ -251,7 +251,7 @@ def tp_recoveries(job: jobs.Job, walls: Sequence[float]) -> list[float | None]:
     """From each fault to the first committed step after it (``first_step``); a checkpoint
     restart logs none: there, to the ranks resumed from the checkpoint (``migration_done``),
     one step short of the first step."""
-    events = ev.read_events(jobs.CLUSTER.host_path(f"{job.folder}/{ev.EVENTS_FILE}"))
+    events = ev.read_events(job.event_log())
     marks = [(e.ts, 0) for e in events if e.kind == ev.FIRST_STEP or (
         e.kind == ev.MIGRATION_DONE and e.fields.get("resolution") == "checkpoint")]
     return [_after(marks, w, lambda s: True) for w in walls]

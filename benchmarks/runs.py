@@ -128,7 +128,7 @@ def _supervisor_cost(job: jobs.Job) -> dict[str, float]:
     """A tp run job's own CPU beyond its training (its ``finished`` event), as a share of one
     core over the job's time: the supervisor's threads, and its srun children. Nothing for a
     plain job (no event log)."""
-    path = jobs.CLUSTER.host_path(f"{job.folder}/{ev.EVENTS_FILE}")
+    path = job.event_log()
     if not path.exists():
         return {}
     finished = [e for e in ev.read_events(path) if e.kind == ev.FINISHED]

@@ -76,7 +76,7 @@ def one(name: str, script: str, args: list[str], fault: jobs.Injector, at: int) 
     jobs.restart_nodes([f["node"] for f in job.faults if f["kind"] == "kill"])
     report = job_json(load_report(jobs.CLUSTER.host_path(job.folder)))
     events = [json.loads(line) for line in
-              jobs.CLUSTER.host_path(f"{job.folder}/events.jsonl").read_text().splitlines()]
+              job.event_log().read_text().splitlines()]
     transfers = [e for e in events if e["kind"] == "transfer_done"]
     full = full_state_bytes(job)
     moved = sum(int(t["bytes"]) for t in transfers)
