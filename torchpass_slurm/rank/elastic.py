@@ -364,10 +364,12 @@ class ElasticTrainer:
         self.rt.log.warning("collective failed at step %d: %s", self.step, str(exc)[:200])
         if self.rank_state is not None:  # the step's batch may be drawn without a copy taken
             self.rank_state.forget_held()
-        self._tear_down(exc)
+        # Reported before the teardown: the supervisor hears at once that this rank is alive and
+        # recovering, and which peer it lost, however long the teardown takes.
         self.rt.report(
             ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(exc)[:200], epoch=self.rt.epoch
         )
+        self._tear_down(exc)
         while True:
             body = self._next_reconfigure(RECONFIGURE_TIMEOUT)
             if body is None:
@@ -380,10 +382,10 @@ class ElasticTrainer:
                 if not is_comm_error(again):
                     raise
                 self.rt.log.warning("recovery of epoch %s failed: %s", body.epoch, again)
-                self._tear_down(again)
                 self.rt.report(
                     ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(again)[:200], epoch=self.rt.epoch
                 )
+                self._tear_down(again)
 
     def _tear_down(self, exc: Exception) -> None:
         """Close the broken group's sockets now, so no peer waits on this rank until its timeout,

@@ -291,6 +291,7 @@ class Supervisor:
         elif message.kind == Kind.BYE:
             step.said_bye.add(message.sender)  # it stops beating; its step's exit says the rest
         elif message.kind == Kind.REPORT:
+            step.seen(message.sender, now)  # a rank that reports is alive, whatever it reports
             try:
                 self._on_report(node, step, Report.from_body(body))
             except ControlPlaneError as err:  # a malformed report is logged and dropped, never fatal

@@ -9,9 +9,11 @@ unplanned reconfigure aborts the old group where the torch in use can.
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import multiprocessing
 import os
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -84,6 +86,52 @@ def test_a_failed_collective_drops_the_ddp_wrapper_and_destroys_the_group_before
 
     assert seen and seen[0] == (False, True, True)
     assert (trainer.migrations, rt.epoch, trainer.step) == (1, 1, 3)  # rejoin found no group: fine
+
+
+class GilWatch(threading.Thread):
+    """A thread that ticks every few milliseconds, as the heartbeat thread beats: the longest
+    gap between two ticks is how long another thread held the GIL (issue 21)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.longest, self._last, self._done = 0.0, time.monotonic(), threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(0.002):
+            now = time.monotonic()
+            self.longest, self._last = max(self.longest, now - self._last), now
+
+    def __enter__(self) -> GilWatch:
+        self.start()
+        time.sleep(0.05)
+        self.longest = 0.0
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._done.set()
+        self.join()
+
+
+def test_tearing_down_never_holds_the_gil_for_as_long_as_a_full_collection(store: int) -> None:
+    """A training process holds millions of Python objects (a data index, a tokenizer's tables):
+    a full ``gc.collect()`` walks them all with the GIL held. On the dev cluster the teardown's
+    collection silenced a rank's heartbeat thread until its node was declared hung."""
+    heap = [[None] for _ in range(3_000_000)]
+    began = time.monotonic()
+    gc.collect()
+    full_collection = time.monotonic() - began
+    assert full_collection > 0.1, "the heap is too small for a collection to show"
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", store, is_master=False),
+                            rank=0, world_size=1)
+    group.adopt_group(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
+
+    with GilWatch() as watch, group.tearing_down(GLOO_RESET, LOG):
+        del model
+
+    assert not dist.is_initialized()
+    assert watch.longest < full_collection / 2, (watch.longest, full_collection)
+    assert len(heap) == 3_000_000
 
 
 def test_destroying_a_group_that_is_already_gone_is_a_no_op() -> None:
