@@ -251,12 +251,22 @@ def tearing_down(exc: BaseException, log: logging.LoggerAdapter[logging.Logger])
     """Tear down the group that ``exc``, a failed collective, broke: its sockets are shut down
     first (:func:`shut_down_broken_group`), the caller drops what it holds of the group in the
     ``with`` body (the DDP wrapper), then the failure's frames go and the group is destroyed."""
-    started = time.monotonic()
+    marks = [time.monotonic()]
     shut = shut_down_broken_group(log)
+    marks.append(time.monotonic())
     yield
+    marks.append(time.monotonic())
     release_references(exc)
+    marks.append(time.monotonic())
     destroy_group(log)
-    log.info("broken group torn down in %.2f s (%d sockets shut down)", time.monotonic() - started, shut)
+    marks.append(time.monotonic())
+    parts = ", ".join(
+        f"{name} {b - a:.2f} s"
+        for name, a, b in zip(("sockets", "wrapper", "frames", "destroy"), marks[:-1], marks[1:], strict=True)
+    )
+    log.info(
+        "broken group torn down in %.2f s (%d sockets shut down; %s)", marks[-1] - marks[0], shut, parts
+    )
 
 
 def release_references(exc: BaseException) -> None:
