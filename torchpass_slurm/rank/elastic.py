@@ -49,7 +49,7 @@ from torchpass_slurm.control.bodies import PromoteMode, Reconfigure
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.errors import CollectiveError, TransferError
 from torchpass_slurm.phase import Phase
-from torchpass_slurm.rank.group import destroy_group, tearing_down
+from torchpass_slurm.rank.group import destroy_group, stacks_if_slow, tearing_down
 from torchpass_slurm.rank.handover import Handover
 from torchpass_slurm.rank.rankstate import RANK_STATE_KEY, RankState
 from torchpass_slurm.rank.runtime import Runtime
@@ -62,6 +62,8 @@ logger = logging.getLogger(__name__)
 
 #: How long a rank whose collective failed waits for the supervisor's reconfigure.
 RECONFIGURE_TIMEOUT = datetime.timedelta(seconds=120)
+#: A teardown slower than this writes every thread's stack to the rank's stderr (seconds).
+TEARDOWN_STACKS_S = 3.0
 #: How long building an epoch's group waits for every rank to join.
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -366,10 +368,11 @@ class ElasticTrainer:
             self.rank_state.forget_held()
         # Reported before the teardown: the supervisor hears at once that this rank is alive and
         # recovering, and which peer it lost, however long the teardown takes.
-        self.rt.report(
-            ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(exc)[:200], epoch=self.rt.epoch
-        )
-        self._tear_down(exc)
+        with stacks_if_slow(TEARDOWN_STACKS_S, self.rt.log):
+            self.rt.report(
+                ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(exc)[:200], epoch=self.rt.epoch
+            )
+            self._tear_down(exc)
         while True:
             body = self._next_reconfigure(RECONFIGURE_TIMEOUT)
             if body is None:

@@ -247,6 +247,28 @@ def shut_down_broken_group(log: logging.LoggerAdapter[logging.Logger]) -> int:
 
 
 @contextlib.contextmanager
+def stacks_if_slow(seconds: float, log: logging.LoggerAdapter[logging.Logger]) -> Iterator[None]:
+    """Write every thread's stack to stderr if the ``with`` body takes longer than ``seconds``.
+
+    ``faulthandler``'s watchdog is a C thread: it writes even while another thread holds the
+    GIL, which is when a rank's heartbeat goes quiet and nothing else can say where it is.
+    """
+    import faulthandler
+    import sys
+
+    try:
+        faulthandler.dump_traceback_later(seconds, exit=False, file=sys.stderr)
+    except (AttributeError, ValueError, OSError, RuntimeError):  # no real stderr (a test's capture)
+        yield
+        return
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    log.debug("no stacks needed: done within %.1f s", seconds)
+
+
+@contextlib.contextmanager
 def tearing_down(exc: BaseException, log: logging.LoggerAdapter[logging.Logger]) -> Iterator[None]:
     """Tear down the group that ``exc``, a failed collective, broke: its sockets are shut down
     first (:func:`shut_down_broken_group`), the caller drops what it holds of the group in the
@@ -264,9 +286,7 @@ def tearing_down(exc: BaseException, log: logging.LoggerAdapter[logging.Logger])
         f"{name} {b - a:.2f} s"
         for name, a, b in zip(("sockets", "wrapper", "frames", "destroy"), marks[:-1], marks[1:], strict=True)
     )
-    log.info(
-        "broken group torn down in %.2f s (%d sockets shut down; %s)", marks[-1] - marks[0], shut, parts
-    )
+    log.info("broken group torn down in %.2f s (%d sockets shut down; %s)", marks[-1] - marks[0], shut, parts)
 
 
 def release_references(exc: BaseException) -> None:
