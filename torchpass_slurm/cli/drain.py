@@ -20,9 +20,19 @@ from torchpass_slurm.errors import TorchpassError
 POLL_INTERVAL_S = 2.0
 
 
+def _reason(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """The drain reason as given: Slurm needs one, and keeps it on one line."""
+    if not value.strip():
+        raise click.BadParameter("is blank; say why the node is drained (Slurm requires a reason)")
+    bad = sorted({repr(c) for c in value if not c.isprintable()})
+    if bad:
+        raise click.BadParameter(f"holds the control character(s) {', '.join(bad)}; use one line of text")
+    return value
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("node")
-@click.option("--reason", required=True, help="Why: Slurm keeps it with the drain.")
+@click.option("--reason", required=True, callback=_reason, help="Why: Slurm keeps it with the drain.")
 @click.option(
     "--timeout",
     type=click.FloatRange(min=1),
