@@ -125,6 +125,11 @@ class SupervisorConfig:
     #: Silence that nothing confirms (the node still answers: a frozen or hung process) is
     #: declared a loss after this long.
     heartbeat_timeout: float = 5.0
+    #: With per-node heartbeats, a rank silent while its node beats and its process lives is
+    #: hung after ``heartbeat_timeout``; after this long instead when its last word was that
+    #: its collective failed (it is tearing its group down: torch's teardown may hold the GIL,
+    #: and its heartbeat thread with it). Only that rank is blamed, never its node's silence.
+    teardown_timeout: float = 20.0
     #: A job whose highest step has not moved for max(``hang_floor``, ``hang_factor`` x its
     #: median step time) while every rank computes or synchronises a step is hung: the ranks
     #: behind are blamed (the silent ones, else those still computing a step their peers wait

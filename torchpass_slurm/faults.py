@@ -89,6 +89,9 @@ class Evidence(StrEnum):
     PEER_REPORT = "peer-report"
     #: silent past ``silence_threshold``, and its slurmd did not accept a TCP connection
     PROBE = "probe"
+    #: a rank silent past ``silence_threshold`` whose process its node's local rank 0 found
+    #: gone (per-node heartbeats): the node beats, the rank is dead
+    LOCAL_REPORT = "local-report"
     #: the settle window ended: the silent node, else the step that exited
     SETTLED = "settled"
     #: silent past ``heartbeat_timeout`` with nothing else to confirm it (a hung or frozen

@@ -445,8 +445,9 @@ def _check_body(kind: str, body: object) -> None:
 
 def _check_tasks(tasks: object) -> None:
     """A per-node heartbeat's ``tasks``: at most :data:`MAX_TASKS` entries, each
-    ``[local_rank, rank, step, state, age_ms]`` (int >= 0, int or null, int or null,
-    str of at most :data:`MAX_STATE_CHARS`, int >= 0)."""
+    ``[local_rank, rank, step, state, age_ms, alive]`` (int >= 0, int or null, int or null,
+    str of at most :data:`MAX_STATE_CHARS`, int >= 0, bool: the task's process lives; an entry
+    without it says nothing of its process)."""
     if not isinstance(tasks, list) or len(tasks) > MAX_TASKS:
         size = f"a list of {len(tasks)}" if isinstance(tasks, list) else f"a {type(tasks).__name__}"
         raise ControlPlaneError(
@@ -455,7 +456,8 @@ def _check_tasks(tasks: object) -> None:
     for entry in tasks:
         if not (
             isinstance(entry, list)
-            and len(entry) == 5
+            and len(entry) in (5, 6)
+            and (len(entry) == 5 or isinstance(entry[5], bool))
             and _is_int(entry[0])
             and 0 <= entry[0] <= MAX_INT
             and (entry[1] is None or _is_int(entry[1]))
@@ -467,7 +469,8 @@ def _check_tasks(tasks: object) -> None:
         ):
             raise ControlPlaneError(
                 f"'heartbeat' body has the task entry {str(entry)[:80]}; expected [local_rank >= 0, "
-                f"rank or null, step or null, state of at most {MAX_STATE_CHARS} characters, age_ms >= 0]"
+                f"rank or null, step or null, state of at most {MAX_STATE_CHARS} characters, age_ms >= 0, "
+                "alive (true or false, optional)]"
             )
 
 

@@ -366,13 +366,7 @@ class ElasticTrainer:
         self.rt.log.warning("collective failed at step %d: %s", self.step, str(exc)[:200])
         if self.rank_state is not None:  # the step's batch may be drawn without a copy taken
             self.rank_state.forget_held()
-        # Reported before the teardown: the supervisor hears at once that this rank is alive and
-        # recovering, and which peer it lost, however long the teardown takes.
-        with stacks_if_slow(TEARDOWN_STACKS_S, self.rt.log):
-            self.rt.report(
-                ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(exc)[:200], epoch=self.rt.epoch
-            )
-            self._tear_down(exc)
+        self._tear_down(exc)
         while True:
             body = self._next_reconfigure(RECONFIGURE_TIMEOUT)
             if body is None:
@@ -385,17 +379,20 @@ class ElasticTrainer:
                 if not is_comm_error(again):
                     raise
                 self.rt.log.warning("recovery of epoch %s failed: %s", body.epoch, again)
-                self.rt.report(
-                    ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(again)[:200], epoch=self.rt.epoch
-                )
                 self._tear_down(again)
 
     def _tear_down(self, exc: Exception) -> None:
-        """Close the broken group's sockets now, so no peer waits on this rank until its timeout,
-        and drop the group (``rank/group.py``, :func:`tearing_down`). It is never reused:
+        """Report the failed collective, then close the broken group's sockets, so no peer waits
+        on this rank until its timeout, and drop the group (``rank/group.py``,
+        :func:`tearing_down`). The report goes first: the supervisor hears at once that this rank
+        is alive and recovering, however long the teardown takes. The group is never reused:
         :meth:`Runtime.rejoin` builds the next epoch's."""
-        with tearing_down(exc, self.rt.log):
-            self.ddp_model = self.model  # the DDP wrapper holds the group
+        with stacks_if_slow(TEARDOWN_STACKS_S, self.rt.log):
+            self.rt.report(
+                ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(exc)[:200], epoch=self.rt.epoch
+            )
+            with tearing_down(exc, self.rt.log):
+                self.ddp_model = self.model  # the DDP wrapper holds the group
 
     def _reconfigure(self, body: Reconfigure) -> None:
         self.rt.state = Phase.RECOVERING

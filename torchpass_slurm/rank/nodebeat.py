@@ -8,7 +8,7 @@ nodes on) and more than one task on the node, the heartbeat thread of each rank
                                                           │
     local 0       BeatCollector ◄──PULL─────────────────────┘
                   └─► the supervisor, every interval: {rank, step, state,
-                      "tasks": [[local_rank, rank, step, state, age_ms], ...]}
+                      "tasks": [[local_rank, rank, step, state, age_ms, alive], ...]}
 
 Every other message (hello, standby, reports, bye) still goes straight to the
 supervisor, and every rank still receives promote, reconfigure and stop itself.
@@ -16,7 +16,12 @@ A rank's beat is signed with the job's secret (``messages.encode``, addressed
 to local rank 0's sender name), so the collector counts nothing it cannot
 authenticate; what fails its check is logged (rate-limited) and dropped. A
 rank that stops beating keeps its last entry, with a growing ``age_ms``: the
-supervisor sees it fall silent as it would without aggregation.
+supervisor sees it fall silent as it would without aggregation. Each beat
+carries its rank's process id, and local rank 0 says with every entry
+whether that process still lives (``alive``, :func:`process_alive`): the
+supervisor tells a rank that died (its node lost at once) from one that is
+stuck (judged by its own timeout), and never takes a node whose local rank 0
+beats for a silent node.
 
 ``DIR`` is private: ``$TMPDIR`` (else ``/tmp``) ``/torchpass-<uid>-<job>-<node>``,
 mode 0700, owned by this user; every rank makes it if it is missing and refuses
@@ -49,7 +54,7 @@ from torchpass_slurm.control.messages import (
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.rank.rankinfo import RankInfo
 
-__all__ = ["NodeBeat", "BeatRelay", "BeatCollector", "node_beat", "beat_dir", "RELAY_HWM"]
+__all__ = ["NodeBeat", "BeatRelay", "BeatCollector", "node_beat", "beat_dir", "process_alive", "RELAY_HWM"]
 
 #: Beats a rank queues for its local rank 0 before new ones are dropped (it beats every
 #: interval; only the latest counts).
@@ -58,6 +63,23 @@ RELAY_HWM = 4
 MAX_IPC_PATH = 107
 
 Log = logging.Logger | logging.LoggerAdapter[logging.Logger]
+
+
+def process_alive(pid: int) -> bool:
+    """False once the process ``pid`` of this node is gone or a zombie; True while it lives, and
+    when that cannot be told (no permission to look: no verdict is no death)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[:1]
+    except OSError:  # no /proc (not Linux), or it went meanwhile: os.kill said it was there
+        return True
+    return state not in ([b"Z"], [b"X"])
 
 
 class NodeBeat(Protocol):
@@ -138,7 +160,8 @@ class BeatRelay:
     def periodic(self, body: dict[str, Any]) -> None:
         import zmq
 
-        msg = Message(Kind.HEARTBEAT, self.sender, self._seq.next(), time.time(), dict(body), to=self.to)
+        beat = {**body, "pid": os.getpid()}
+        msg = Message(Kind.HEARTBEAT, self.sender, self._seq.next(), time.time(), beat, to=self.to)
         try:
             self._sock.send_multipart(encode(msg, self._secret), flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -164,8 +187,8 @@ class BeatCollector:
         self._log = log
         self._bound: Path | None = None
         self._receiver = Receiver(secret, {Kind.HEARTBEAT}, recipient=f"{node}/0")
-        #: local rank -> (rank, step, state, monotonic time its last beat arrived)
-        self.latest: dict[int, tuple[int | None, int | None, str, float]] = {}
+        #: local rank -> (rank, step, state, monotonic time its last beat arrived, its pid or None)
+        self.latest: dict[int, tuple[int | None, int | None, str, float, int | None]] = {}
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -183,8 +206,8 @@ class BeatCollector:
         self.collect()
         now = time.monotonic()
         tasks = [
-            [local, rank, step, state, int((now - at) * 1000)]
-            for local, (rank, step, state, at) in sorted(self.latest.items())
+            [local, rank, step, state, int((now - at) * 1000), pid is None or process_alive(pid)]
+            for local, (rank, step, state, at, pid) in sorted(self.latest.items())
         ]
         return {**body, "tasks": tasks[:MAX_TASKS]}
 
@@ -218,7 +241,10 @@ class BeatCollector:
                 "ignoring a beat from %s: its state is over %d characters", msg.sender, MAX_STATE_CHARS
             )
         else:
-            self.latest[int(local)] = (msg.body["rank"], msg.body["step"], state, time.monotonic())
+            pid = msg.body.get("pid")
+            if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+                pid = None  # no word on its process: it counts as alive
+            self.latest[int(local)] = (msg.body["rank"], msg.body["step"], state, time.monotonic(), pid)
 
     def close(self) -> None:
         """Close the socket, and remove it and the folder (when nothing else is left in it)."""

@@ -54,7 +54,7 @@ from torchpass_slurm.supervisor.probe import Probe
 from torchpass_slurm.supervisor.state import Clock, JobState, RunState
 from torchpass_slurm.supervisor.workers import WorkerState, WorkerStep
 
-__all__ = ["Detectors"]
+__all__ = ["Detectors", "dead_rank", "stuck_rank", "torn_too_long"]
 
 logger = logging.getLogger(__name__)
 
@@ -203,11 +203,21 @@ class Detectors:
         """Steps silent past ``silence_threshold`` whose loss a second signal confirms; a probe
         is started for the others."""
         now, faults = self.job.silence_clock(self.clock.time()), []
+        threshold = self.config.silence_threshold
         for node, step in self._watched():
-            silent = step.silent_for(now)
-            if silent is None or silent <= self.config.silence_threshold:
-                continue
-            evidence = self._second_signal(node, now - silent)
+            silent, peers = step.lost_for(now), True
+            if silent is None or silent <= threshold:
+                # silent only through tasks tearing their group down: alive a moment ago, and a
+                # peer's error names them because they shut their sockets first; only the probe
+                silent, peers = step.lost_for(now, tearing=True), False
+                if silent is None or silent <= threshold:
+                    continue
+            else:
+                dead = dead_rank(step, now, self.config)
+                if dead is not None:
+                    faults.append(dead)
+                    continue
+            evidence = self._second_signal(node, now - silent, peers=peers)
             if evidence is not None:
                 kind, why = evidence
                 faults.append(
@@ -220,8 +230,10 @@ class Detectors:
                 )
         return faults
 
-    def _second_signal(self, node: str, silent_since: float) -> tuple[Evidence, str] | None:
-        named = self._named.get(node)
+    def _second_signal(
+        self, node: str, silent_since: float, *, peers: bool = True
+    ) -> tuple[Evidence, str] | None:
+        named = self._named.get(node) if peers else None
         if named is not None and named[0] >= silent_since - _NAMED_SLACK_S:
             return Evidence.PEER_REPORT, f"named by {named[1]}"
         if self.probe is None:
@@ -249,14 +261,14 @@ class Detectors:
         silent = [
             n
             for n in job.membership.active + job.membership.spares
-            if job.steps[n].poll() is None and (job.steps[n].silent_for(now) or 0.0) >= window
+            if job.steps[n].poll() is None and (job.steps[n].lost_for(now) or 0.0) >= window
         ]
         if silent:
             return [
                 Fault(
                     n,
                     Detector.HEARTBEAT_LOST,
-                    f"{n} went silent ({job.steps[n].silent_for(now):.1f} s) while {first.detail}",
+                    f"{n} went silent ({job.steps[n].lost_for(now):.1f} s) while {first.detail}",
                     evidence=Evidence.SETTLED,
                 )
                 for n in silent
@@ -289,7 +301,7 @@ class Detectors:
         that answers), or a step never up within ``startup_timeout``."""
         now, cfg = self.job.silence_clock(self.clock.time()), self.config
         for node, step in self._watched():
-            silent = step.silent_for(now)
+            silent = step.lost_for(now)
             if silent is not None and silent > cfg.heartbeat_timeout:
                 return Fault(
                     node,
@@ -297,6 +309,9 @@ class Detectors:
                     f"no heartbeat from {node} for {silent:.1f} s (it still answers: hung?)",
                     evidence=Evidence.TIMEOUT,
                 )
+            hung = stuck_rank(step, now, self.config) or torn_too_long(step, now, self.config)
+            if hung is not None:
+                return hung
         for node, step in self.job.steps.items():
             if node in self.job.releasing:
                 continue
@@ -354,3 +369,59 @@ class Detectors:
             self.events.append(ev.DRAIN_SEEN, node=node.name, reason=node.reason or "")
             self.drains.append(Fault(node.name, Detector.DRAIN, node.reason or ""))
         return None
+
+
+# -- one node's ranks, with per-node heartbeats ------------------------------------------
+
+
+def dead_rank(step: WorkerStep, now: float, config: SupervisorConfig) -> Fault | None:
+    """A rank silent past ``silence_threshold`` whose process its node's local rank 0 found
+    gone, while the node beats: the node's word is the second signal."""
+    gone = [(s, now - step.heartbeats[s]) for s in sorted(step.gone) if s in step.heartbeats]
+    gone = [(s, silent) for s, silent in gone if silent > config.silence_threshold]
+    if not gone or (step.relay is not None and step.relay in step.gone):
+        return None
+    relay_silent = now - step.heartbeats.get(step.relay or "", now)
+    if relay_silent > config.silence_threshold:
+        return None  # the node itself is silent: judged as a node
+    sender, silent = gone[0]
+    return Fault(
+        step.node,
+        Detector.HEARTBEAT_LOST,
+        f"{sender} silent for {silent:.1f} s; its process is gone, its node's local rank 0 says",
+        evidence=Evidence.LOCAL_REPORT,
+    )
+
+
+def stuck_rank(step: WorkerStep, now: float, config: SupervisorConfig) -> Fault | None:
+    """A rank silent while its node beats and its process lives (per-node heartbeats), past
+    ``heartbeat_timeout``, or ``teardown_timeout`` when its last word was a failed
+    collective: that rank is hung, not its node silent."""
+    for sender, silent, phase in step.stuck(now):
+        recovering = sender in step.tearing
+        bound = config.teardown_timeout if recovering else config.heartbeat_timeout
+        if silent > bound:
+            doing = "since its collective failed" if recovering else f"(last seen {phase or 'starting'})"
+            return Fault(
+                step.node,
+                Detector.RANK_HUNG,
+                f"{sender} silent for {silent:.1f} s {doing} while its node beats; its process lives: hung?",
+                evidence=Evidence.TIMEOUT,
+            )
+    return None
+
+
+def torn_too_long(step: WorkerStep, now: float, config: SupervisorConfig) -> Fault | None:
+    """A task silent past ``teardown_timeout`` since its failed collective was its last word,
+    where the node is silent with it (per-rank beats, or the node's own local rank 0): its
+    teardown never ended."""
+    torn = step.tearing_for(now)
+    if torn is None or torn[1] <= config.teardown_timeout:
+        return None
+    sender, silent = torn
+    return Fault(
+        step.node,
+        Detector.RANK_HUNG,
+        f"{sender} silent for {silent:.1f} s since its collective failed: its teardown did not end",
+        evidence=Evidence.TIMEOUT,
+    )

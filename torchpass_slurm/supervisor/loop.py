@@ -291,11 +291,16 @@ class Supervisor:
         elif message.kind == Kind.BYE:
             step.said_bye.add(message.sender)  # it stops beating; its step's exit says the rest
         elif message.kind == Kind.REPORT:
-            step.seen(message.sender, now)  # a rank that reports is alive, whatever it reports
             try:
-                self._on_report(node, step, Report.from_body(body))
+                report = Report.from_body(body)
             except ControlPlaneError as err:  # a malformed report is logged and dropped, never fatal
                 logger.warning("ignoring a malformed report from %s: %s", message.sender, err)
+                return
+            if report.kind == ReportKind.COLLECTIVE_FAILED:  # alive, and tearing its group down
+                step.recovering(message.sender, now)
+            else:
+                step.seen(message.sender, now)  # a rank that reports is alive
+            self._on_report(node, step, report)
         elif message.kind == Kind.STANDBY:
             step.standby_senders.add(message.sender)
             step.seen(message.sender, now)

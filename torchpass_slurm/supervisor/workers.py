@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from torchpass_slurm import config as cfg
+from torchpass_slurm.phase import Phase
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.strenum import StrEnum
 from torchpass_slurm.supervisor.membership import Membership
@@ -73,6 +74,13 @@ class WorkerStep:
     phases: dict[str, tuple[int | None, str]] = field(default_factory=dict)
     last_step: int | None = None
     exit_code: int | None = None
+    #: with per-node heartbeats: the task that beats for the node (its local rank 0), and the
+    #: tasks whose process it found gone
+    relay: str | None = None
+    gone: set[str] = field(default_factory=set)
+    #: tasks whose last word was that their collective failed: alive, tearing their group down
+    #: (a teardown may hold the GIL, and the task's heartbeat thread with it)
+    tearing: set[str] = field(default_factory=set)
 
     @property
     def last_heartbeat(self) -> float | None:
@@ -89,6 +97,7 @@ class WorkerStep:
 
     def seen(self, sender: str, now: float, step: int | None = None, phase: str | None = None) -> None:
         self.heartbeats[sender] = now
+        self.tearing.discard(sender)
         if phase is not None:
             self.phases[sender] = (step, phase)
         if step is not None and (self.last_step is None or step > self.last_step):
@@ -102,17 +111,28 @@ class WorkerStep:
         for sender, heard in self.heartbeats.items():
             self.heartbeats[sender] = max(heard, now)
 
+    def recovering(self, sender: str, now: float) -> None:
+        """``sender`` says its collective failed: it is alive, and tearing its group down."""
+        step = self.phases.get(sender, (None, ""))[0]
+        self.seen(sender, now, step, Phase.RECOVERING)
+        self.tearing.add(sender)
+
     def relayed(self, relay: str, tasks: Iterable[Sequence[Any]], now: float) -> None:
         """The other tasks a per-node heartbeat from ``relay`` (its node's local rank 0) carries:
-        each ``[local_rank, rank, step, state, age_ms]`` (checked by ``control/messages.py``) marks
-        ``NODE/local_rank`` heard ``age_ms`` before ``now``, with its step and phase, unless
-        something newer was heard from it. Local ranks outside the step, and the relay's own,
-        are ignored."""
+        each ``[local_rank, rank, step, state, age_ms, alive]`` (checked by
+        ``control/messages.py``) marks ``NODE/local_rank`` heard ``age_ms`` before ``now``, with
+        its step and phase, unless something newer was heard from it, and records whether its
+        process lives. Local ranks outside the step, and the relay's own, are ignored."""
+        self.relay = relay
         own = relay.rsplit("/", 1)[-1]
-        for local, _rank, step, phase, age_ms in tasks:
+        for local, _rank, step, phase, age_ms, *alive in tasks:
             if local >= self.ntasks or str(local) == own:
                 continue
             sender, heard = f"{self.node}/{local}", now - age_ms / 1000
+            if alive and not alive[0]:
+                self.gone.add(sender)
+            else:
+                self.gone.discard(sender)
             if heard >= self.heartbeats.get(sender, heard):
                 self.seen(sender, heard, step, phase)
 
@@ -123,6 +143,43 @@ class WorkerStep:
             return None
         beating = [t for sender, t in self.heartbeats.items() if sender not in self.said_bye]
         return now - min(beating) if beating else None
+
+    def lost_for(self, now: float, *, tearing: bool = False) -> float | None:
+        """The silence that blames the node itself: that of its stalest task with per-rank
+        beats; with per-node beats, its relay's, or that of a task whose process the relay
+        found gone (a task stuck while its node beats and its process lives is :meth:`stuck`,
+        not this). Tasks whose last word was a failed collective count only with ``tearing``:
+        their silence is judged by ``teardown_timeout``, never by a peer naming them."""
+        if self.silent_for(now) is None:
+            return None
+        if self.relay is None or self.relay in self.said_bye:
+            counted = list(self.heartbeats)
+        else:
+            counted = [self.relay, *self.gone]
+        heard = [
+            self.heartbeats[s]
+            for s in counted
+            if s in self.heartbeats and s not in self.said_bye and (tearing or s not in self.tearing)
+        ]
+        return now - min(heard) if heard else None
+
+    def stuck(self, now: float) -> list[tuple[str, float, str]]:
+        """With per-node beats: the tasks that are silent while their node beats and their
+        process lives, as (sender, seconds silent, last phase), stalest first."""
+        if self.relay is None or len(self.heartbeats) < self.ntasks:
+            return []
+        found = [
+            (sender, now - heard, self.phases.get(sender, (None, ""))[1])
+            for sender, heard in self.heartbeats.items()
+            if sender != self.relay and sender not in self.gone and sender not in self.said_bye
+        ]
+        return sorted(found, key=lambda f: -f[1])
+
+    def tearing_for(self, now: float) -> tuple[str, float] | None:
+        """The task silent longest since its failed collective was its last word, and for how
+        long (None: no such task)."""
+        found = [(s, now - self.heartbeats[s]) for s in self.tearing if s not in self.said_bye]
+        return max(found, key=lambda f: f[1]) if found else None
 
 
 class Clock(Protocol):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -96,8 +97,8 @@ def test_local_rank_0_carries_its_node_and_the_others_beat_only_to_it(node: tupl
     one.body["step"] = 7
     beat = until(lambda: next((b for b in reversed(zero.beats()) if (entry_of(b, 1) or [0, 0, 0])[2] == 7), None))
     assert {k: beat[k] for k in ("rank", "step", "state")} == {"rank": 10, "step": 0, "state": "sync"}
-    local, rank, step, state, age_ms = entry_of(beat, 1)  # type: ignore[misc]
-    assert (local, rank, step, state) == (1, 11, 7, "sync")
+    local, rank, step, state, age_ms, alive = entry_of(beat, 1)  # type: ignore[misc]
+    assert (local, rank, step, state, alive) == (1, 11, 7, "sync", True)
     assert isinstance(age_ms, int) and 0 <= age_ms < 1000
     assert [t[0] for t in beat["tasks"]] == [1]  # never itself
     m.encode(m.Message(m.HEARTBEAT, "c2/0", 1, time.time(), beat), b"k" * 32)  # the wire accepts it
@@ -203,3 +204,33 @@ def test_local_rank_0_removes_its_socket_and_the_folder_when_it_closes(env: dict
     assert collector.endpoint == f"ipc://{folder}/beats-e3.ipc" and os.listdir(folder) == ["beats-e3.ipc"]
     collector.close()
     assert not folder.exists()
+
+
+def test_a_process_is_alive_until_it_exits_and_a_zombie_counts_as_gone() -> None:
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        assert nodebeat.process_alive(os.getpid()) and nodebeat.process_alive(child.pid)
+        child.kill()
+        until(lambda: not nodebeat.process_alive(child.pid))  # a zombie until it is reaped
+    finally:
+        child.kill()
+        child.wait()
+    assert not nodebeat.process_alive(child.pid)
+
+
+def test_local_rank_0_says_which_of_its_nodes_ranks_are_alive(env: dict[str, str]) -> None:
+    """Issue 21: an entry tells a rank whose process died from one that is only quiet."""
+    collector = nodebeat.node_beat(env, "42", "c2", place(0, ntasks=3), LOG)
+    assert isinstance(collector, nodebeat.BeatCollector)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        for local, pid in ((1, os.getpid()), (2, dead.pid)):
+            beat = {"rank": 10 + local, "step": 4, "state": "recovering", "pid": pid}
+            collector._take(m.Message(m.HEARTBEAT, f"c2/{local}", 1, time.time(), beat, to="c2/0"))
+        tasks = collector.periodic({"rank": 10, "step": 4, "state": "sync"})["tasks"]
+        assert [(t[0], t[5]) for t in tasks] == [(1, True), (2, False)]
+        m.encode(m.Message(m.HEARTBEAT, "c2/0", 1, time.time(), {"rank": 10, "step": 4, "state": "sync",
+                                                                  "tasks": tasks}), b"k" * 32)
+    finally:
+        collector.close()

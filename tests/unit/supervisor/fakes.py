@@ -306,12 +306,13 @@ class World:
     its step exits 0 once all have (a step that exits takes its tasks with it). A node in :attr:`silent`
     sends nothing any more; :attr:`hello_delay` holds back a node's first
     message by that many seconds; :attr:`phase` sets the phase a node's heartbeats
-    carry; a task in :attr:`quiet` stops beating while its process lives. :meth:`at` runs an
-    action at an elapsed time.
+    carry; a task in :attr:`quiet` stops beating while its process lives, one in :attr:`dead`
+    stops beating because its process died. :meth:`at` runs an action at an elapsed time.
 
     ``node_beats`` plays per-node heartbeats (``TORCHPASS_NODE_HEARTBEAT=1``): in an active step
-    only local rank 0 sends heartbeats, with ``tasks``, the last beat it heard of each other task
-    and its age; a quiet task keeps its old entry, older every tick (``rank/nodebeat.py``).
+    only local rank 0 sends heartbeats, with ``tasks``, the last beat it heard of each other task,
+    its age and whether its process lives; a quiet or dead task keeps its old entry, older every
+    tick (``rank/nodebeat.py``).
     """
 
     def __init__(self, clock: VirtualClock, server: FakeServer, slurm: FakeSlurm, *,
@@ -323,6 +324,7 @@ class World:
         self.current: dict[str, SimStep] = {}
         self.silent: set[str] = set()
         self.quiet: set[str] = set()
+        self.dead: set[str] = set()
         self.hello_delay: dict[str, float] = {}
         #: the phase (``torchpass_slurm.phase``) an active node's heartbeats carry; default "training"
         self.phase: dict[str, str] = {}
@@ -354,6 +356,11 @@ class World:
     def go_quiet(self, sender: str, *, at: float) -> None:
         """One task stops beating (its heartbeat thread is stuck); the rest of its node goes on."""
         self.at(at, lambda: self.quiet.add(sender))
+
+    def kill_task(self, sender: str, *, at: float) -> None:
+        """One task's process dies (SIGKILL); its step runs on with the others (``srun`` does
+        not end a step for one task's death)."""
+        self.at(at, lambda: self.dead.add(sender))
 
     def report(self, node: str, event: ReportKind | str, *, at: float, local: int = 0, **fields: Any) -> None:
         """At ``at``, task ``local`` of the node's step then current sends a REPORT."""
@@ -403,7 +410,7 @@ class World:
             return
         beats = {}
         for sender in sim.peers:
-            if sender in sim.stopped or sender in self.quiet:
+            if sender in sim.stopped or sender in self.quiet or sender in self.dead:
                 continue
             state = self.phase.get(sim.node, "training") if sim.role == "active" else "standby"
             beats[sender] = {"rank": self.rank_of(sim, sender), "step": sim.step_at(now), "state": state}
@@ -421,7 +428,8 @@ class World:
         sim.relayed.update({s: (now, b) for s, b in beats.items() if s != leader})
         if leader not in beats:
             return
-        tasks = [[int(s.rsplit("/", 1)[1]), b["rank"], b["step"], b["state"], round((now - t) * 1000)]
+        tasks = [[int(s.rsplit("/", 1)[1]), b["rank"], b["step"], b["state"], round((now - t) * 1000),
+                  s not in self.dead]
                  for s, (t, b) in sorted(sim.relayed.items())]
         self.server.inject(sim.peers[leader], leader, msg.HEARTBEAT, {**beats[leader], "tasks": tasks})
 

@@ -7,18 +7,20 @@ Each timing test runs both ways, per rank and per node, on the virtual clock (co
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
 
 from torchpass_slurm import config as cfg
 from torchpass_slurm import events as ev
+from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.supervisor.loop import RunState
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.workers import StepLauncher, WorkerStep
 
 from .conftest import CONFIG, Harness, Live, at_of
-from .fakes import FakeProcess, FakeSlurm, VirtualClock
+from .fakes import GLOO_RESET, FakeProcess, FakeSlurm, VirtualClock
 from .test_detection import PASS, assert_one_live_migration, fault_of, probe_of
 
 MODES = pytest.mark.parametrize("node_beats", [False, True], ids=["per-rank", "per-node"])
@@ -63,21 +65,86 @@ def test_only_local_rank_0_beats_to_the_supervisor(make: Callable[..., Harness])
     assert [t[:4] for t in body["tasks"]] == [[1, 4, 8, "training"], [2, 5, 8, "training"]]  # type: ignore[index]
 
 
+def one_fault(h: Harness) -> ev.Event:
+    (fault,) = [e for e in h.events() if e.kind in FAULTS and e.fields.get("exit_code") != 0]
+    return fault
+
+
 @MODES
 def test_one_quiet_task_is_lost_after_the_heartbeat_timeout(live: Live, node_beats: bool) -> None:
-    """Its node still answers (the probe), so only the timeout confirms: in both modes alike."""
+    """Its node still answers (the probe), so only the timeout confirms: in both modes alike.
+    Per node, local rank 0 beats on and says the quiet task's process lives: that rank is hung,
+    its node is not silent, and there is nothing to probe."""
     h, _ = live(probe=True, ntasks=2, node_beats=node_beats)
     h.world.go_quiet("c2/1", at=3.0)  # per node: c2/0 keeps sending c2/1's entry, older each time
 
     h.run()
 
-    fault = fault_of(h)
-    assert (fault.kind, fault.fields["node"], fault.fields["evidence"]) == (ev.HEARTBEAT_LOST, "c2", "timeout")
+    fault = one_fault(h)
+    kind = ev.RANK_HUNG if node_beats else ev.HEARTBEAT_LOST
+    assert (fault.kind, fault.fields["node"], fault.fields["evidence"]) == (kind, "c2", "timeout")
     assert 3.0 + CONFIG.heartbeat_timeout - PASS <= at_of(h, fault) <= 3.0 + CONFIG.heartbeat_timeout + 2 * PASS
-    assert probe_of(h).started and probe_of(h).started[0][1] == "c2"
-    assert 3.0 + CONFIG.silence_threshold - PASS <= probe_of(h).started[0][0] <= (
-        3.0 + CONFIG.silence_threshold + 2 * PASS)
+    if node_beats:
+        assert "c2/1 silent for" in fault.fields["detail"] and "its process lives" in fault.fields["detail"]
+        assert not probe_of(h).started
+    else:
+        assert probe_of(h).started and probe_of(h).started[0][1] == "c2"
+        assert 3.0 + CONFIG.silence_threshold - PASS <= probe_of(h).started[0][0] <= (
+            3.0 + CONFIG.silence_threshold + 2 * PASS)
     assert_one_live_migration(h, "c2")
+
+
+def test_a_task_whose_process_died_behind_its_nodes_beats_is_lost_at_the_silence_threshold(
+        live: Live) -> None:
+    """Local rank 0 says the task's process is gone: that is the second signal, no probe and no
+    timeout needed (the node itself answers and beats)."""
+    h, _ = live(probe=True, ntasks=2, node_beats=True)
+    h.world.kill_task("c2/1", at=3.0)
+
+    h.run()
+
+    fault = one_fault(h)
+    assert (fault.kind, fault.fields["node"], fault.fields["evidence"]) == (ev.HEARTBEAT_LOST, "c2", "local-report")
+    assert "c2/1" in fault.fields["detail"] and "its process is gone" in fault.fields["detail"]
+    assert 3.0 + CONFIG.silence_threshold <= at_of(h, fault) <= 3.0 + CONFIG.silence_threshold + 2 * PASS
+    assert not probe_of(h).started
+    assert_one_live_migration(h, "c2")
+
+
+TEARDOWN = dataclasses.replace(CONFIG, teardown_timeout=9.0)
+
+
+@MODES
+def test_a_rank_silent_in_its_teardown_is_given_the_teardown_timeout_not_its_node_lost(
+        make: Callable[..., Harness], node_beats: bool) -> None:
+    """Issue 21: local rank 1 reports its failed collective, then its heartbeat thread starves
+    for 7 s (the teardown holds the GIL) while local rank 0 beats on: no node is lost for it,
+    and once it beats again nothing is blamed at all."""
+    h = make(active=3, spares=1, ntasks=2, node_beats=node_beats, train_s=20.0, config=TEARDOWN)
+    h.world.report("c2", ReportKind.COLLECTIVE_FAILED, at=3.0, local=1, rank=3, step=3, epoch=0, error=GLOO_RESET)
+    h.world.go_quiet("c2/1", at=3.0)
+    h.world.at(10.0, lambda: h.world.quiet.discard("c2/1"))
+
+    h.run()
+
+    assert TEARDOWN.heartbeat_timeout < 7.0 < TEARDOWN.teardown_timeout
+    assert not [e for e in h.events() if e.kind in FAULTS and e.fields.get("exit_code") != 0]
+    assert h.supervisor.state == RunState.SUCCEEDED
+
+
+@MODES
+def test_a_rank_stuck_in_its_teardown_past_the_teardown_timeout_is_hung_on_its_own(
+        make: Callable[..., Harness], node_beats: bool) -> None:
+    h = make(active=3, spares=1, ntasks=2, node_beats=node_beats, train_s=20.0, config=TEARDOWN)
+    h.world.report("c2", ReportKind.COLLECTIVE_FAILED, at=3.0, local=1, rank=3, step=3, epoch=0, error=GLOO_RESET)
+    h.world.go_quiet("c2/1", at=3.0)
+
+    h.run()
+
+    fault, *_ = [e for e in h.events() if e.kind in FAULTS]  # then the recovery (no store: a restart)
+    assert (fault.kind, fault.fields["node"], fault.fields["evidence"]) == (ev.RANK_HUNG, "c2", "timeout")
+    assert "c2/1 silent for" in fault.fields["detail"] and "since its collective failed" in fault.fields["detail"]
+    assert 3.0 + TEARDOWN.teardown_timeout - PASS <= at_of(h, fault) <= 3.0 + TEARDOWN.teardown_timeout + 2 * PASS
 
 
 @MODES
@@ -177,3 +244,25 @@ def test_the_threshold_comes_from_the_environment_by_default(monkeypatch: pytest
     assert launcher.heartbeat_per_node_from == 3
     monkeypatch.delenv("TORCHPASS_HEARTBEAT_PER_NODE_FROM")
     assert cfg.SupervisorConfig.from_env().heartbeat_per_node_from == 256
+
+
+@MODES
+def test_a_node_silent_in_its_teardown_is_not_lost_because_a_peer_names_it(
+        live: Live, node_beats: bool) -> None:
+    """The survivors shut their sockets down first, so another survivor's error names them: on
+    the dev cluster the healthy batch host was lost by "peer-report" 1.8 s into its ranks'
+    teardown. A node whose silent tasks last said their collective failed is judged by the
+    probe (it answers) and the teardown timeout, never by a peer naming it."""
+    h, _ = live(probe=True, ntasks=2, node_beats=node_beats)
+    for local in (0, 1):
+        h.world.report("c2", ReportKind.COLLECTIVE_FAILED, at=3.0, local=local, rank=2 + local, step=3,
+                       epoch=0, error=GLOO_RESET)
+        h.world.go_quiet(f"c2/{local}", at=3.0)
+    h.world.report("c3", ReportKind.COLLECTIVE_FAILED, at=3.1, rank=4, step=3, epoch=0,
+                   error=f"{GLOO_RESET} [10.0.0.2]:4242")  # c2's address (FakeProbe.node_of_address)
+    h.world.at(8.0, lambda: h.world.quiet.difference_update({"c2/0", "c2/1"}))
+
+    h.run()
+
+    assert not [e for e in h.events() if e.kind in FAULTS and e.fields.get("exit_code") != 0
+                and e.fields.get("node") == "c2"]
