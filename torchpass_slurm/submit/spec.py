@@ -19,7 +19,11 @@ from torchpass_slurm.submit.command_line import SubmitRequest
 from torchpass_slurm.submit.options import COMMAND_LINE, UNDERSTOOD, Option
 from torchpass_slurm.submit.placement import SITE_CONFIG, SupervisorPlacement, resolve_placement
 
-__all__ = ["JobSpec", "absolute_path", "resolve_job_spec"]
+__all__ = ["JobSpec", "MAX_NODES", "absolute_path", "resolve_job_spec"]
+
+#: The most nodes (active + spares) one job may ask for: beyond any Slurm cluster, and far
+#: below what would overflow a count (``--spares 99999999999999999999`` is refused, not rendered).
+MAX_NODES = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -222,6 +226,35 @@ def resolve_job_spec(
             _value(options, "supervisor-partition"), environ or {}, site or {}, site_path
         ),
     )
+    _refuse_control_characters(spec)
+    if spec.total_nodes > MAX_NODES:
+        raise SubmitError(
+            f"{spec.nodes} active nodes + {spec.spares} hot spares is {spec.total_nodes} nodes; "
+            f"tp-submit allows at most {MAX_NODES:,}",
+            hint="check -N and --spares",
+        )
     if script is not None:
         return replace(spec, shebang=script.shebang, body=script.body, script_args=request.script_args)
     return replace(spec, command=request.command)
+
+
+def _refuse_control_characters(spec: JobSpec) -> None:
+    """Every name that goes into the batch script, or to sbatch, is one line of text: a newline in
+    a script's path or a partition would start a line of its own in the rendered script."""
+    names = {
+        "the script's path": spec.source,
+        "the job name": spec.job_name,
+        "the partition": spec.partition,
+        "the supervisor's partition": spec.supervisor.partition if spec.supervisor else None,
+        "--output": spec.output,
+        "--chdir": spec.chdir,
+        "--comment": spec.comment,
+        "the run folder": spec.run_dir,  # last: it derives from --chdir and the job name
+    }
+    for what, value in names.items():
+        bad = sorted({repr(c) for c in value or "" if not c.isprintable()})
+        if bad:
+            raise SubmitError(
+                f"{what} {value!r} holds the control character(s) {', '.join(bad)}",
+                hint="names in a batch script are one line of printable text: rename it",
+            )

@@ -286,3 +286,35 @@ def test_counts_are_ascii_digits(argv: list[str], message: str) -> None:
     with pytest.raises(SubmitError) as info:
         spec_of([*argv, "--", "true"])
     assert info.value.message == message
+
+
+# --- names that go into the batch script (issue 22) ------------------------------
+
+
+@pytest.mark.parametrize(("argv", "what"), [
+    (["--job-name", "a\nb", "train.sh"], "the job name"),
+    (["--supervisor-partition", "svc\n#SBATCH --uid=0", "train.sh"], "the supervisor's partition"),
+    (["-p", "gpu\x1b[2J", "train.sh"], "the partition"),
+    (["--output", "out\r.log", "train.sh"], "--output"),
+    (["--comment", "x\ty", "train.sh"], "--comment"),
+    (["--chdir", "/tmp/a\nb", "train.sh"], "--chdir"),
+])
+def test_a_control_character_in_a_name_is_refused(argv: list[str], what: str) -> None:
+    with pytest.raises(SubmitError, match=f"^{what} .* holds the control character"):
+        spec_of(argv, "#!/bin/bash\nsrun true\n")
+
+
+def test_a_newline_in_the_scripts_path_never_reaches_the_rendered_script() -> None:
+    request = parse_submit_args(["train.sh"])
+    script = parse_batch_script("#!/bin/bash\nsrun true\n", "dir\nrm -rf ~/x\n/train.sh")
+    with pytest.raises(SubmitError, match="^the script's path .* holds the control character"):
+        resolve_job_spec(request, script, cwd="/home/u/proj", now=NOW)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--spares", "99999999999999999999", "train.sh"],
+    ["-N", "999999", "--spares", "2", "train.sh"],
+])
+def test_a_node_count_beyond_any_cluster_is_refused(argv: list[str]) -> None:
+    with pytest.raises(SubmitError, match="tp-submit allows at most 1,000,000"):
+        spec_of(argv, "#!/bin/bash\nsrun true\n")
