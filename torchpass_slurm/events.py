@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import fcntl
 import json
 import logging
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -150,11 +152,22 @@ class EventLog:
         self.job = job
         self.epoch = epoch
         self._clock = clock
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._fd = os.open(self.path, flags, 0o644)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a planted link would send the job's events elsewhere
+                raise EventLogError(
+                    f"the event log {self.path} is a symbolic link; refusing to follow it",
+                    hint="remove it: the run folder should hold only what tp wrote",
+                ) from None
             raise EventLogError(f"cannot open the event log {self.path}: {exc.strerror}") from None
+        if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+            os.close(self._fd)
+            raise EventLogError(
+                f"the event log {self.path} is not a regular file", hint="remove it and start again"
+            )
         self._repair_torn_tail()
 
     def append(self, kind: str, *, epoch: int | None = None, **fields: Any) -> Event:
@@ -210,10 +223,8 @@ class EventLog:
             size = os.fstat(self._fd).st_size
             if size == 0:
                 return
-            with open(self.path, "rb") as f:
-                f.seek(size - 1)
-                if f.read(1) == b"\n":
-                    return
+            if os.pread(self._fd, 1, size - 1) == b"\n":  # the file opened, not the path again
+                return
             logger.warning("event log %s ends in a torn line (a crash mid-write); marking it", self.path)
             repaired = Event(self._clock(), LOG_REPAIRED, self.job, self.epoch, {})
             os.write(self._fd, b"\n" + repaired.to_line())

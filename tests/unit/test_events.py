@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,20 @@ def test_a_hostile_line_is_skipped_and_counted(path: Path, line: bytes) -> None:
         log.append(ev.FINISHED)
     events = read_events(path)
     assert [e.kind for e in events] == ["started", "finished"] and events.skipped == (2,)
+
+
+def test_a_planted_link_is_never_followed(tmp_path: Path) -> None:
+    """Issue 22: whoever could write the run folder planted events.jsonl as a link to a file of
+    the job's owner; the supervisor appended to that file."""
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"the owner's file\n")
+    (tmp_path / ev.EVENTS_FILE).symlink_to(target)
+    with pytest.raises(EventLogError, match="is a symbolic link; refusing to follow it"):
+        ev.EventLog(tmp_path / ev.EVENTS_FILE, job="1")
+    assert target.read_bytes() == b"the owner's file\n"
+
+
+def test_an_event_log_that_is_not_a_file_is_refused(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / ev.EVENTS_FILE)
+    with pytest.raises(EventLogError, match="is not a regular file"):
+        ev.EventLog(tmp_path / ev.EVENTS_FILE, job="1")
