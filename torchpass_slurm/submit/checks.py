@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,6 +26,8 @@ __all__ = [
     "check_partition_fits",
     "partition_unknown_warning",
     "check_run_dir",
+    "check_run_dir_parents",
+    "check_trusted_folder",
     "check_script_interpreter",
     "read_batch_script",
 ]
@@ -113,7 +116,15 @@ def check_command(command: Sequence[str], workdir: str, *, search_path: str | No
 
 
 def check_run_dir(run_dir: str) -> None:
-    """The run dir is new or empty: one run dir, one run."""
+    """The run dir is new or empty, and nobody but its owner (or root) can change it or a
+    folder above it: one run dir, one run, and no one else's files in it.
+
+    Whoever can rename entries in a folder above ``checkpoints/`` can swap in a file the job
+    then loads as its owner, so every existing folder on the way up is checked
+    (:func:`check_trusted_folder`). The run dir itself, when it exists, must be empty and its
+    owner's.
+    """
+    check_run_dir_parents(run_dir)
     try:
         taken = any(os.scandir(run_dir))
     except FileNotFoundError:
@@ -126,6 +137,42 @@ def check_run_dir(run_dir: str) -> None:
         raise SubmitError(
             f"the run dir {run_dir} already exists and is not empty",
             hint="each job needs its own run dir: pick another --run-dir",
+        )
+    check_trusted_folder(run_dir, "the run dir")
+
+
+def check_run_dir_parents(run_dir: str) -> None:
+    """Every existing folder above ``run_dir`` passes :func:`check_trusted_folder`."""
+    path = Path(os.path.abspath(run_dir)).parent
+    for folder in (path, *path.parents):
+        if folder.exists():
+            check_trusted_folder(str(folder), "the folder")
+
+
+def check_trusted_folder(folder: str, what: str) -> None:
+    """SubmitError unless ``folder`` is owned by this user or root and no other user can rename
+    its entries: not writable by others unless sticky (``/tmp``), not writable by its group
+    unless that group is this user's own primary group."""
+    try:
+        st = os.stat(folder)
+    except OSError as exc:
+        raise SubmitError(f"cannot look at {what} {folder}: {exc.strerror}") from None
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise SubmitError(
+            f"{what} {folder} belongs to uid {st.st_uid}, not to you (uid {me}) or root: "
+            "its owner could replace the job's files",
+            hint="put the run dir under a folder of your own (--run-dir)",
+        )
+    sticky = bool(st.st_mode & stat.S_ISVTX)
+    others = bool(st.st_mode & stat.S_IWOTH) and not sticky
+    group = bool(st.st_mode & stat.S_IWGRP) and not sticky and st.st_gid != os.getegid()
+    if others or group:
+        who = "every user" if others else f"the members of group {st.st_gid}"
+        raise SubmitError(
+            f"{what} {folder} is {stat.filemode(st.st_mode)}: {who} can rename its entries "
+            "and replace the job's files",
+            hint=f"chmod {'o' if others else 'g'}-w {folder}, or pick another --run-dir",
         )
 
 

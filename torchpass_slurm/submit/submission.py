@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from torchpass_slurm.errors import SubmitError
-from torchpass_slurm.submit.checks import check_run_dir
+from torchpass_slurm.submit.checks import check_run_dir, check_run_dir_parents
 from torchpass_slurm.submit.render import render_batch_script, sbatch_arguments
 from torchpass_slurm.submit.spec import JobSpec
 
@@ -44,6 +44,7 @@ class SubmitResult:
 def _claim_run_dir(run_dir: str, *, rename_if_taken: bool) -> tuple[str, bool]:
     """Create the run dir (or take an empty one); returns it and whether it was created."""
     candidates = [run_dir] + ([f"{run_dir}-{i}" for i in range(2, 100)] if rename_if_taken else [])
+    check_run_dir_parents(run_dir)
     for candidate in candidates:
         try:
             os.makedirs(candidate)
