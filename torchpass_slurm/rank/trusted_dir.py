@@ -22,19 +22,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from torchpass_slurm.errors import CheckpointError
+from torchpass_slurm.ownership import foreign, owner_name
 
 __all__ = ["check_trusted", "check_trusted_tree", "make_private"]
 
 _WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
-
-
-def _owner(uid: int) -> str:
-    try:
-        import pwd
-
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except (ImportError, KeyError):
-        return f"uid {uid}"
 
 
 def check_trusted(path: Path) -> None:
@@ -43,24 +35,22 @@ def check_trusted(path: Path) -> None:
         st = os.stat(path)
     except OSError as exc:
         raise CheckpointError(f"cannot inspect the checkpoint path {path}: {exc}") from exc
-    me = os.geteuid()
-    if st.st_uid not in (me, 0):
+    found = foreign(st)
+    if found is None:
+        return
+    if found.owner is not None:
         raise CheckpointError(
-            f"refusing to load from {path}: it is owned by {_owner(st.st_uid)}, not by this user "
-            f"({_owner(me)}); loading a checkpoint unpickles its metadata, so its author could run code "
-            "on every rank",
+            f"refusing to load from {path}: it is owned by {owner_name(found.owner)}, not by this user "
+            f"({owner_name(os.geteuid())}); loading a checkpoint unpickles its metadata, so its author "
+            "could run code on every rank",
             hint="checkpoint into a folder of your own (or copy the checkpoint there, reviewed)",
         )
-    if st.st_mode & _WRITABLE_BY_OTHERS:
-        who = {stat.S_IWGRP: "its group", stat.S_IWOTH: "others"}.get(
-            st.st_mode & _WRITABLE_BY_OTHERS, "its group and others"
-        )
-        mode = stat.filemode(st.st_mode)
-        raise CheckpointError(
-            f"refusing to load from {path}: it is writable by {who} ({mode}); loading a checkpoint "
-            "unpickles its metadata, so anyone who can write there could run code on every rank",
-            hint=f"if nobody else wrote into it: chmod -R go-w {path}; or checkpoint into a private folder",
-        )
+    mode = stat.filemode(st.st_mode)
+    raise CheckpointError(
+        f"refusing to load from {path}: it is writable by {found.writers} ({mode}); loading a checkpoint "
+        "unpickles its metadata, so anyone who can write there could run code on every rank",
+        hint=f"if nobody else wrote into it: chmod -R go-w {path}; or checkpoint into a private folder",
+    )
 
 
 def check_trusted_tree(root: Path, inside: Iterable[Path] = ()) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from torchpass_slurm.errors import SubmitError
+from torchpass_slurm.ownership import foreign, owner_name
 from torchpass_slurm.submit.batch_script import BatchScript, parse_batch_script
 from torchpass_slurm.submit.render import plural
 from torchpass_slurm.submit.spec import JobSpec, absolute_path
@@ -157,23 +158,22 @@ def check_trusted_folder(folder: str, what: str) -> None:
         st = os.stat(folder)
     except OSError as exc:
         raise SubmitError(f"cannot look at {what} {folder}: {exc.strerror}") from None
-    me = os.geteuid()
-    if st.st_uid not in (me, 0):
+    found = foreign(st, above=True)
+    if found is None:
+        return
+    if found.owner is not None:
         raise SubmitError(
-            f"{what} {folder} belongs to uid {st.st_uid}, not to you (uid {me}) or root: "
-            "its owner could replace the job's files",
+            f"{what} {folder} belongs to {owner_name(found.owner)}, not to you "
+            f"({owner_name(os.geteuid())}) or root: its owner could replace the job's files",
             hint="put the run dir under a folder of your own (--run-dir)",
         )
-    sticky = bool(st.st_mode & stat.S_ISVTX)
-    others = bool(st.st_mode & stat.S_IWOTH) and not sticky
-    group = bool(st.st_mode & stat.S_IWGRP) and not sticky and st.st_gid != os.getegid()
-    if others or group:
-        who = "every user" if others else f"the members of group {st.st_gid}"
-        raise SubmitError(
-            f"{what} {folder} is {stat.filemode(st.st_mode)}: {who} can rename its entries "
-            "and replace the job's files",
-            hint=f"chmod {'o' if others else 'g'}-w {folder}, or pick another --run-dir",
-        )
+    others = "others" in (found.writers or "")
+    who = "every user" if others else f"the members of group {st.st_gid}"
+    raise SubmitError(
+        f"{what} {folder} is {stat.filemode(st.st_mode)}: {who} can rename its entries "
+        "and replace the job's files",
+        hint=f"chmod {'o' if others else 'g'}-w {folder}, or pick another --run-dir",
+    )
 
 
 def check_partition_fits(spec: JobSpec, partition: str | None, node_count: int | None) -> None:
