@@ -11,6 +11,14 @@ one claim per job) cancels the job with ``scancel``; every rank that sees the lo
 :data:`EXIT_SUPERVISOR_LOST`. ``tp report`` and ``tp status`` read the record and say why the
 job ended. The same holds when the supervisor runs in its own component of a heterogeneous
 job and *its* node dies (docs/design/supervisor-component.md).
+
+Unreachable is not dead. A rank cut off from the supervisor by a partition loses its link as
+well, while the supervisor goes on (it moves that rank's node to a spare). So before it ends
+the job, a rank looks at the supervisor's lease: ``status.json`` in the run folder, which the
+supervisor rewrites every second (``updated``, its wall clock). A lease younger than half the
+link's silence says the supervisor lives and this rank is the one cut off: it leaves alone
+(:data:`EXIT_CUT_OFF`), writes no record and cancels nothing. A stale lease (a dead or frozen
+supervisor) or none at all ends the job as above.
 """
 
 from __future__ import annotations
@@ -26,10 +34,14 @@ from typing import Any
 
 from torchpass_slurm import config
 
-__all__ = ["EXIT_SUPERVISOR_LOST", "RECORD", "Orphan", "read_record"]
+__all__ = ["EXIT_CUT_OFF", "EXIT_SUPERVISOR_LOST", "LEASE", "RECORD", "Orphan", "read_record"]
 
 #: The exit status of a rank that left because its supervisor was gone.
 EXIT_SUPERVISOR_LOST = 75
+#: The exit status of a rank that left because it was cut off from a supervisor that lives.
+EXIT_CUT_OFF = 76
+#: The supervisor's lease in the run folder (``supervisor/status.py`` writes it every second).
+LEASE = Path("status.json")
 #: The record of the loss, in the run folder.
 RECORD = Path(".torchpass") / "supervisor-lost.json"
 #: How long ``scancel`` may take.
@@ -83,14 +95,41 @@ class Orphan:
             self.leave(silent)
 
     def leave(self, silent: float) -> None:
+        lease = self.lease_age()
+        if lease is not None and lease < silent / 2:
+            self.log.error(
+                "the supervisor has been unreachable for %.1f s, but it wrote its status %.1f s ago: "
+                "it lives and this rank is cut off; leaving without ending the job",
+                silent,
+                lease,
+            )
+            logging.shutdown()
+            os._exit(EXIT_CUT_OFF)
         self.log.error(
-            "the supervisor has been unreachable for %.1f s: it is gone (its node died?); ending the job",
+            "the supervisor has been unreachable for %.1f s and its status is %s: it is gone "
+            "(its node died?); ending the job",
             silent,
+            "missing" if lease is None else f"{lease:.1f} s old",
         )
         if self._claim(silent) and self.job_id:
             self._cancel()
         logging.shutdown()
         os._exit(EXIT_SUPERVISOR_LOST)
+
+    def lease_age(self) -> float | None:
+        """Seconds since the supervisor last wrote its status (``updated``), or None when there
+        is no run folder or no readable status."""
+        if not self.run_dir:
+            return None
+        path = Path(self.run_dir) / LEASE
+        try:
+            updated = json.loads(path.read_text())["updated"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self.log.warning("cannot read the supervisor's lease %s: %s", path, exc)
+            return None
+        if isinstance(updated, bool) or not isinstance(updated, (int, float)):
+            return None
+        return max(0.0, time.time() - float(updated))
 
     def _claim(self, silent: float) -> bool:
         """Write the record unless another rank did (exclusive create); True when this rank did."""

@@ -19,7 +19,14 @@ from torchpass_slurm.control.client import ControlClient  # noqa: E402
 from torchpass_slurm.control.secret import create_secret, load_secret  # noqa: E402
 from torchpass_slurm.control.server import ControlServer  # noqa: E402
 from torchpass_slurm.rank import orphan as orphan_mod  # noqa: E402
-from torchpass_slurm.rank.orphan import EXIT_SUPERVISOR_LOST, RECORD, Orphan, read_record  # noqa: E402
+from torchpass_slurm.rank.orphan import (  # noqa: E402
+    EXIT_CUT_OFF,
+    EXIT_SUPERVISOR_LOST,
+    LEASE,
+    RECORD,
+    Orphan,
+    read_record,
+)
 
 LOG = logging.LoggerAdapter(logging.getLogger("test"), {})
 
@@ -89,6 +96,41 @@ def test_a_heterogeneous_job_is_cancelled_by_its_leaders_id(tmp_path: Path, call
     with pytest.raises(Exited):
         Orphan(leader, node="c2", sender="c2/0", log=LOG).leave(99.0)
     assert calls == [["scancel", "40"]]
+
+
+def lease(run_dir: Path, age_s: float) -> None:
+    """The supervisor's status.json, written ``age_s`` ago by its clock."""
+    (run_dir / LEASE).write_text(json.dumps({"job_id": "42", "updated": time.time() - age_s}))
+
+
+def test_a_rank_cut_off_from_a_living_supervisor_leaves_alone(tmp_path: Path, calls: list[list[str]]) -> None:
+    """Issue 22, split brain: a node partitioned from the supervisor for 40 s was replaced live,
+    and its old rank then cancelled the whole healthy job. Its supervisor's lease was fresh."""
+    lease(tmp_path, age_s=0.8)
+    o = Orphan(env(tmp_path), node="c2", sender="c2/0", log=LOG)
+    with pytest.raises(Exited) as code:
+        o.check(Link(o.grace + 10))
+    assert code.value.args == (EXIT_CUT_OFF,)
+    assert calls == [] and read_record(tmp_path) is None
+    assert supervisor_lost_line(tmp_path) is None
+
+
+@pytest.mark.parametrize("age_s", [30.0, None])
+def test_a_stale_or_missing_lease_means_the_supervisor_is_gone(
+        tmp_path: Path, calls: list[list[str]], age_s: float | None) -> None:
+    if age_s is not None:
+        lease(tmp_path, age_s)
+    o = Orphan(env(tmp_path), node="c2", sender="c2/0", log=LOG)
+    with pytest.raises(Exited) as code:
+        o.check(Link(o.grace + 10))
+    assert code.value.args == (EXIT_SUPERVISOR_LOST,)
+    assert calls == [["scancel", "42"]] and read_record(tmp_path) is not None
+
+
+@pytest.mark.parametrize("text", ["{", "[]", '{"updated": "soon"}', '{"updated": true}'])
+def test_a_malformed_lease_is_no_lease(tmp_path: Path, text: str) -> None:
+    (tmp_path / LEASE).write_text(text)
+    assert Orphan(env(tmp_path), node="c2", sender="c2/0", log=LOG).lease_age() is None
 
 
 def test_a_grace_of_zero_turns_it_off(tmp_path: Path, calls: list[list[str]],
