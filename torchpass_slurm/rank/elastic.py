@@ -49,7 +49,7 @@ from torchpass_slurm.control.bodies import PromoteMode, Reconfigure
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.errors import CollectiveError, TransferError
 from torchpass_slurm.phase import Phase
-from torchpass_slurm.rank.group import destroy_group, stacks_if_slow, tearing_down
+from torchpass_slurm.rank.group import destroy_group, release_kept, stacks_if_slow, tearing_down
 from torchpass_slurm.rank.handover import Handover
 from torchpass_slurm.rank.rankstate import RANK_STATE_KEY, RankState
 from torchpass_slurm.rank.runtime import Runtime
@@ -64,6 +64,9 @@ logger = logging.getLogger(__name__)
 RECONFIGURE_TIMEOUT = datetime.timedelta(seconds=120)
 #: A teardown slower than this writes every thread's stack to the rank's stderr (seconds).
 TEARDOWN_STACKS_S = 3.0
+#: A broken group is kept this long past the collective timeout before it is let go
+#: (``rank/group.py``: its destructor must not wait for work in flight).
+KEEP_BROKEN_MARGIN_S = 5.0
 #: How long building an epoch's group waits for every rank to join.
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -347,6 +350,7 @@ class ElasticTrainer:
                 self._pending.append(got)
 
     def _commit(self) -> None:
+        release_kept()  # broken groups whose work has timed out: their destructors return at once
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -391,7 +395,8 @@ class ElasticTrainer:
             self.rt.report(
                 ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(exc)[:200], epoch=self.rt.epoch
             )
-            with tearing_down(exc, self.rt.log):
+            keep_for = collective_timeout().total_seconds() + KEEP_BROKEN_MARGIN_S
+            with tearing_down(exc, self.rt.log, keep_for=keep_for):
                 self.ddp_model = self.model  # the DDP wrapper holds the group
 
     def _reconfigure(self, body: Reconfigure) -> None:

@@ -69,6 +69,7 @@ __all__ = [
     "adopt_group",
     "adopt_subgroup_sockets",
     "destroy_group",
+    "release_kept",
     "shut_down_broken_group",
     "tearing_down",
     "release_references",
@@ -214,11 +215,14 @@ def adopt_subgroup_sockets(sockets: tuple[GroupSocket, ...]) -> int:
         return len(_live.sockets)
 
 
-def destroy_group(log: logging.LoggerAdapter[logging.Logger]) -> None:
+def destroy_group(log: logging.LoggerAdapter[logging.Logger], *, keep_for: float = 0.0) -> None:
     """Destroy the current process group, if any; a group broken by a dead peer may complain.
 
     Safe when the group is already gone (a failed collective tore it down
-    before the reconfigure came): the broken group is never reused.
+    before the reconfigure came): the broken group is never reused. With
+    ``keep_for`` (a broken group), torch forgets every group but their
+    objects are kept that many seconds more (:func:`release_kept`): see
+    :data:`_kept`.
     """
     import torch.distributed as dist
 
@@ -227,10 +231,50 @@ def destroy_group(log: logging.LoggerAdapter[logging.Logger]) -> None:
         _live = None  # the record must not keep the group's sockets open
         if not dist.is_initialized():
             return
+        groups = _every_group() if keep_for > 0 else ()
         try:
             dist.destroy_process_group()
         except RuntimeError as exc:  # torch's errors (DistError too) are RuntimeErrors; it is gone anyway
             log.debug("destroying the process group: %r", exc)
+        if groups:
+            _kept.append((time.monotonic() + keep_for, groups))
+
+
+#: Broken groups that torch has forgotten but this module still holds, each with the time
+#: (monotonic) after which it may go. The last reference to a gloo group runs its destructor,
+#: which waits for the group's work in flight; in Debian's torch 2.6 it does so holding the
+#: GIL. A survivor whose peer died can have work that waits out the collective timeout even
+#: with the group's sockets shut down: on the dev cluster its ``destroy_process_group()`` then
+#: held the GIL for seconds, its heartbeat thread starved, and its node was declared hung
+#: (issue 21; ``faulthandler`` showed the training thread in ``destroy_process_group`` and the
+#: heartbeat thread waiting). Kept past the collective timeout, the group's work has ended and
+#: its destructor returns at once.
+_kept: list[tuple[float, tuple[Any, ...]]] = []
+
+
+def _every_group() -> tuple[Any, ...]:
+    """The default group and every group built over it (a device mesh's), as torch lists them."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    world = getattr(distributed_c10d, "_world", None)
+    groups = tuple(getattr(world, "pg_map", None) or ())
+    return groups or (dist.group.WORLD,)
+
+
+def release_kept(now: float | None = None) -> int:
+    """Let go of the broken groups kept past their time (call it where a pause of a few
+    milliseconds is harmless: a step boundary); how many groups went."""
+    if not _kept:
+        return 0
+    now = time.monotonic() if now is None else now
+    due = [entry for entry in _kept if entry[0] <= now]
+    if not due:
+        return 0
+    _kept[:] = [entry for entry in _kept if entry[0] > now]
+    released = sum(len(groups) for _, groups in due)
+    due.clear()  # the last references: the groups' destructors run here
+    return released
 
 
 def shut_down_broken_group(log: logging.LoggerAdapter[logging.Logger]) -> int:
@@ -269,10 +313,13 @@ def stacks_if_slow(seconds: float, log: logging.LoggerAdapter[logging.Logger]) -
 
 
 @contextlib.contextmanager
-def tearing_down(exc: BaseException, log: logging.LoggerAdapter[logging.Logger]) -> Iterator[None]:
+def tearing_down(
+    exc: BaseException, log: logging.LoggerAdapter[logging.Logger], *, keep_for: float = 0.0
+) -> Iterator[None]:
     """Tear down the group that ``exc``, a failed collective, broke: its sockets are shut down
     first (:func:`shut_down_broken_group`), the caller drops what it holds of the group in the
-    ``with`` body (the DDP wrapper), then the failure's frames go and the group is destroyed."""
+    ``with`` body (the DDP wrapper), then the failure's frames go and the group is destroyed,
+    its objects kept ``keep_for`` seconds more (the collective timeout: see :data:`_kept`)."""
     marks = [time.monotonic()]
     shut = shut_down_broken_group(log)
     marks.append(time.monotonic())
@@ -280,7 +327,7 @@ def tearing_down(exc: BaseException, log: logging.LoggerAdapter[logging.Logger])
     marks.append(time.monotonic())
     release_references(exc)
     marks.append(time.monotonic())
-    destroy_group(log)
+    destroy_group(log, keep_for=keep_for)
     marks.append(time.monotonic())
     parts = ", ".join(
         f"{name} {b - a:.2f} s"

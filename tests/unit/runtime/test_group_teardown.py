@@ -134,6 +134,27 @@ def test_tearing_down_never_holds_the_gil_for_as_long_as_a_full_collection(store
     assert len(heap) == 3_000_000
 
 
+def test_a_broken_group_is_kept_past_its_teardown_until_its_collectives_must_have_ended(
+        store: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Debian's torch 2.6 runs a gloo group's destructor with the GIL held, waiting for the work
+    in flight (up to the collective timeout): torch forgets the broken group at once, but its
+    object is let go only at a step boundary after ``keep_for``."""
+    monkeypatch.setattr(group, "_kept", [])
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", store, is_master=False),
+                            rank=0, world_size=1)
+    group.adopt_group(0)
+    world = dist.group.WORLD
+
+    with group.tearing_down(GLOO_RESET, LOG, keep_for=30.0):
+        pass
+
+    assert not dist.is_initialized()
+    assert [groups for _, groups in group._kept] == [(world,)]
+    assert group.release_kept() == 0  # not yet: its work may still wait out the timeout
+    assert group.release_kept(now=time.monotonic() + 31.0) == 1
+    assert group._kept == []
+
+
 def test_destroying_a_group_that_is_already_gone_is_a_no_op() -> None:
     assert not dist.is_initialized()
     group.destroy_group(LOG)
