@@ -12,9 +12,10 @@ import os
 import stat
 from dataclasses import dataclass
 
-__all__ = ["Foreign", "foreign", "owner_name"]
+__all__ = ["WRITABLE_BY_OTHERS", "Foreign", "foreign", "owner_name"]
 
-_WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
+#: The mode bits that let someone other than the owner write a path.
+WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ def foreign(st: os.stat_result, *, above: bool = False) -> Foreign | None:
     nobody does. ``above``: the path is a folder above the user's own (see the module doc)."""
     if st.st_uid not in (os.geteuid(), 0):
         return Foreign(owner=st.st_uid)
-    bits = st.st_mode & _WRITABLE_BY_OTHERS
+    bits = st.st_mode & WRITABLE_BY_OTHERS
     if above and st.st_mode & stat.S_ISVTX:
         bits = 0
     if above and st.st_gid == os.getegid():

@@ -22,11 +22,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from torchpass_slurm.errors import CheckpointError
-from torchpass_slurm.ownership import foreign, owner_name
+from torchpass_slurm.ownership import WRITABLE_BY_OTHERS, foreign, owner_name
 
 __all__ = ["check_trusted", "check_trusted_tree", "make_private"]
-
-_WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
 
 
 def check_trusted(path: Path) -> None:
@@ -71,5 +69,5 @@ def make_private(top: Path) -> None:
         paths += [Path(dirpath) / name for name in (*dirnames, *filenames)]
     for path in paths:
         mode = os.lstat(path).st_mode
-        if not stat.S_ISLNK(mode) and mode & _WRITABLE_BY_OTHERS:
-            os.chmod(path, stat.S_IMODE(mode) & ~_WRITABLE_BY_OTHERS)
+        if not stat.S_ISLNK(mode) and mode & WRITABLE_BY_OTHERS:
+            os.chmod(path, stat.S_IMODE(mode) & ~WRITABLE_BY_OTHERS)

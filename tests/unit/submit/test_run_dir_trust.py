@@ -55,18 +55,13 @@ def test_an_empty_run_dir_open_to_others_is_refused(base: Path) -> None:
 
 
 @as_root
-def test_an_empty_run_dir_of_another_user_is_refused(base: Path) -> None:
-    run = base / "run"
-    run.mkdir(mode=0o700)
-    os.chown(run, STRANGER, STRANGER)
-    with pytest.raises(SubmitError, match=f"the run dir {run} belongs to uid {STRANGER}, not to you"):
-        check_run_dir(str(run))
-
-
-@as_root
-def test_a_default_torchpass_runs_folder_made_by_another_user_is_refused(base: Path) -> None:
-    runs = base / "torchpass-runs"
-    runs.mkdir(mode=0o755)
-    os.chown(runs, STRANGER, STRANGER)
-    with pytest.raises(SubmitError, match=f"the folder {runs} belongs to uid {STRANGER}"):
-        check_run_dir(str(runs / "train.sh-20261202-101010"))
+@pytest.mark.parametrize(("made", "checked", "what"), [
+    ("run", "run", "the run dir"),  # an empty run dir of another user
+    ("torchpass-runs", "torchpass-runs/train.sh-20261202-101010", "the folder"),  # the default's parent
+])
+def test_a_folder_of_another_user_is_refused(base: Path, made: str, checked: str, what: str) -> None:
+    folder = base / made
+    folder.mkdir(mode=0o755)
+    os.chown(folder, STRANGER, STRANGER)
+    with pytest.raises(SubmitError, match=f"{what} {folder} belongs to uid {STRANGER}, not to you"):
+        check_run_dir(str(base / checked))
