@@ -14,7 +14,9 @@ Measured per size (10 MB, 100 MB, 500 MB; 2 GB with --large):
 
 - ``raw-tcp``: plain Python sockets, 4 MiB buffers, sendall/recv_into (the baseline);
 - ``socket+stream``: SocketTransport + send_state/recv_state (manifest, crc32 chunks);
-- ``torch+stream``: TorchTransport on a gloo group + the stream;
+- ``socket+sealed``: the same stream sealed with a job key (HMAC-SHA256 MACs: what a
+  migration under tp run sends), against ``socket+stream`` in the same run;
+- ``torch+stream`` and ``torch+sealed``: TorchTransport on a gloo group + the stream;
 - ``gloo-raw``: one big tensor with gloo send/recv (the torch baseline);
 - ``mpi-raw`` and ``mpi+stream``: MPICH connect/accept, when mpi4py imports.
 
@@ -43,10 +45,13 @@ import torch.distributed as dist  # noqa: E402
 
 from torchpass_slurm.transfer import (SocketListener, SocketTransport, TorchTransport,  # noqa: E402
                                       recv_state, send_state)
+from torchpass_slurm.transfer.seal import Seal  # noqa: E402
 
 MB = 1_000_000
 TIMEOUT = timedelta(seconds=300)
 BUF = 4 << 20
+#: Both ranks seal with this (a benchmark key; a job's comes from its secret).
+SEAL = Seal(bytes(range(32)), "transfer benchmark")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -135,12 +140,13 @@ def make_state(nbytes: int) -> dict[str, Any]:
     return {"model": {f"layer{i}.weight": torch.full((per,), float(i)) for i in range(8)}, "step": 1}
 
 
-def bench_stream(transport: Any, rank: int, state: dict[str, Any] | None, into: Any) -> float | None:
+def bench_stream(transport: Any, rank: int, state: dict[str, Any] | None, into: Any,
+                 seal: Seal | None = None) -> float | None:
     if rank == 0:
         began = time.perf_counter()
-        recv_state(transport, timeout=TIMEOUT, into=into)
+        recv_state(transport, timeout=TIMEOUT, into=into, seal=seal)
         return time.perf_counter() - began
-    send_state(transport, state, timeout=TIMEOUT)
+    send_state(transport, state, timeout=TIMEOUT, seal=seal)
     return None
 
 
@@ -224,10 +230,14 @@ def run_rank(args: argparse.Namespace, rank: int, master: str) -> None:
         into = make_state(nbytes) if rank == 0 else None  # a spare's preallocated model
         measure(peer, "raw-tcp", size_mb, args.repeat, lambda: bench_raw_tcp(peer, nbytes), results)
         measure(peer, "socket+stream", size_mb, args.repeat, lambda: bench_stream(sock, rank, state, into), results)
+        measure(peer, "socket+sealed", size_mb, args.repeat,
+                lambda: bench_stream(sock, rank, state, into, SEAL), results)
         measure(peer, "gloo-raw", size_mb, args.repeat, lambda: bench_gloo_raw(pg, rank, nbytes), results)
         torch_t = TorchTransport(1 - rank, pg)
         measure(peer, "torch+stream", size_mb, args.repeat,
                 lambda: bench_stream(torch_t, rank, state, into), results)
+        measure(peer, "torch+sealed", size_mb, args.repeat,
+                lambda: bench_stream(torch_t, rank, state, into, SEAL), results)
         if mpi is not None:
             measure(peer, "mpi-raw", size_mb, args.repeat, lambda: bench_mpi_raw(mpi, rank, nbytes), results)
             measure(peer, "mpi+stream", size_mb, args.repeat, lambda: bench_stream(mpi, rank, state, into), results)

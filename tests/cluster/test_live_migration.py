@@ -73,6 +73,7 @@ def test_two_node_kills_migrate_live_with_bitwise_equal_state(
     assert_all_live(c, job, 2)
     transfers = [e for e in job.events() if e["kind"] == "transfer_done"]
     assert len(transfers) == 2 and all(t["bytes"] > 1_000_000 for t in transfers), transfers
+    assert all(t["sealed"] is True for t in transfers), "every transfer under tp run carries the job's MAC"
     assert final_hash(job) == reference_hash
 
 

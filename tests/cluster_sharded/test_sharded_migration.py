@@ -115,6 +115,7 @@ def test_an_hsdp_node_kill_moves_one_shard_live_and_the_spare_reads_on_where_the
     (transfer,) = [e for e in job.events() if e["kind"] == "transfer_done"]
     # the lost rank's shard of the parameters and both AdamW moments: half the state, not the model
     assert 0.45 * FULL_STATE_BYTES <= transfer["bytes"] <= 0.55 * FULL_STATE_BYTES, transfer
+    assert transfer["sealed"] is True, transfer
     (promote,) = [e for e in job.events() if e["kind"] == "spare_promoted"]
     assert promote["replaces"] == victim and promote["mode"] == "live"
     assert run.digest == reference["2x2"].digest
@@ -138,6 +139,7 @@ def test_a_pure_fsdp_drain_hands_the_leaving_ranks_shards_to_the_spare_live(
     assert [(d["resolution"], d["lost_steps"], d["recomputed_steps"]) for d in done] == [("live", 0, 0)], done
     (transfer,) = [e for e in events if e["kind"] == "transfer_done"]
     assert transfer["via"] == "socket" and transfer["bytes"] <= 0.3 * FULL_STATE_BYTES, transfer
+    assert transfer["sealed"] is True, transfer
     assert not [e for e in events if e["kind"] in ("heartbeat_lost", "node_down", "restarted")]
     assert run.digest == reference["1x4"].digest
     assert_same_samples(run, reference["1x4"])

@@ -5,7 +5,8 @@
 
     agree       all-gather every rank's committed step; S = the highest
     transfer    each rank behind S (the promoted spare, rarely a survivor) receives the
-                full state from a rank at S (a data-parallel replica), chunked and verified;
+                full state from a rank at S (a data-parallel replica), chunked and sealed
+                with the job's key (``transfer/seal.py``);
                 receiver i takes donor i % len(donors), in rank order
     barrier     every rank waits for the transfers (a monitored barrier on gloo)
 
@@ -31,8 +32,11 @@ __all__ = ["Handover", "TRANSFER_TIMEOUT", "report_transfer"]
 TRANSFER_TIMEOUT = datetime.timedelta(seconds=120)
 
 
-def report_transfer(rt: Runtime, donor: int, step: int, stats: TransferStats, **extra: Any) -> None:
-    """``transfer_done``: this rank received the state of ``step`` from ``donor``."""
+def report_transfer(
+    rt: Runtime, donor: int, step: int, stats: TransferStats, *, sealed: bool, **extra: Any
+) -> None:
+    """``transfer_done``: this rank received the state of ``step`` from ``donor`` (``sealed``:
+    authenticated with the job's key)."""
     rt.report(
         ReportKind.TRANSFER_DONE,
         donor=donor,
@@ -43,6 +47,7 @@ def report_transfer(rt: Runtime, donor: int, step: int, stats: TransferStats, **
         retries=stats.retries,
         resumed_from=stats.resumed_from,
         epoch=rt.epoch,
+        sealed=sealed,
         **extra,
     )
 
@@ -99,7 +104,11 @@ class Handover:
         from torchpass_slurm.transfer import TorchTransport, send_state
 
         stats = send_state(
-            TorchTransport(receiver), self._state_dicts(), timeout=TRANSFER_TIMEOUT, meta={"step": step}
+            TorchTransport(receiver),
+            self._state_dicts(),
+            timeout=TRANSFER_TIMEOUT,
+            meta={"step": step},
+            seal=self.rt.transfer_seal(self.rt.epoch, step, self.rt.rank, receiver),
         )
         self.rt.log.info("sent the state of step %d to rank %d: %s", step, receiver, stats)
 
@@ -108,11 +117,16 @@ class Handover:
 
         if self._progress is None:
             self._progress = ReceiveProgress()
+        seal = self.rt.transfer_seal(self.rt.epoch, step, donor, self.rt.rank)
         received, stats = recv_state(
-            TorchTransport(donor), timeout=TRANSFER_TIMEOUT, into=self._state_dicts(), progress=self._progress
+            TorchTransport(donor),
+            timeout=TRANSFER_TIMEOUT,
+            into=self._state_dicts(),
+            progress=self._progress,
+            seal=seal,
         )
         for name, obj in self.state.items():
             obj.load_state_dict(received[name])
         self._progress = None
         self.received = True
-        report_transfer(self.rt, donor, step, stats)
+        report_transfer(self.rt, donor, step, stats, sealed=seal is not None)

@@ -197,7 +197,9 @@ def _read(
 
     into, _ = local_state(model, optimizer)
     with open(path, "rb") as f:
-        length = unpack_header(torch.frombuffer(bytearray(f.read(HEADER.size)), dtype=torch.uint8))
+        length, flags = unpack_header(torch.frombuffer(bytearray(f.read(HEADER.size)), dtype=torch.uint8))
+        if flags:
+            raise TransferError(f"the file's header has flags {flags:#06x}; a shard checkpoint has none")
         if length > MAX_MANIFEST_BYTES:
             raise TransferError(
                 f"the file announces a {length}-byte manifest; the limit is {MAX_MANIFEST_BYTES}"

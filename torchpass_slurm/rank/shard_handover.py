@@ -17,19 +17,22 @@
     barrier     every rank waits for the transfers (a monitored barrier on gloo)
 
 A replica donor is in the new epoch's group (``TorchTransport``). A leaving rank is not:
-it left the group at the switch, so it listens on a TCP socket of its own and publishes
-``host:port:token`` in the job's rendezvous store under ``epoch<N>/torchpass/shard_donor/<rank>``;
-the receiver reads that key, connects, proves it read the key (the token) and receives
-over a ``SocketTransport`` (:class:`LeavingDonor`, :func:`receive_from_leaving`). Both
-sides wait at most :data:`PLANNED_HANDOVER_TIMEOUT` for each other.
+it left the group at the switch, so it listens on a TCP socket of its own, bound to its
+address on the job's network, and publishes ``host:port:tag`` in the job's rendezvous store
+under ``epoch<N>/torchpass/shard_donor/<rank>`` (:class:`LeavingDonor`). The tag is a MAC
+of the address with the transfer's seal: the receiver refuses an address that an outsider
+wrote, connects, answers the donor's challenge with the same seal and receives a sealed
+stream (:func:`connect_to_leaving`). The listener takes one peer and closes. Both sides wait
+at most :data:`PLANNED_HANDOVER_TIMEOUT` for each other.
+
+Every stream is sealed with the job's key (``transfer/seal.py``): bytes that do not come
+from a rank of this job are refused before they become training state.
 """
 
 from __future__ import annotations
 
 import datetime
-import hmac
 import logging
-import secrets
 import socket
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from torchpass_slurm.transfer import Manifest, Transport
+    from torchpass_slurm.transfer.seal import Seal
 
 __all__ = ["ShardHandover", "LeavingDonor", "Agreement", "plan_shard_donors", "PLANNED_HANDOVER_TIMEOUT"]
 
@@ -57,8 +61,6 @@ logger = logging.getLogger(__name__)
 PLANNED_HANDOVER_TIMEOUT = datetime.timedelta(seconds=120)
 #: The store key (under the epoch's prefix) where a leaving rank publishes its listener.
 DONOR_KEY = "torchpass/shard_donor/{rank}"
-#: Bytes of the token a receiver sends first, to show it read the donor's key.
-TOKEN_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,8 @@ class ShardHandover:
 
         state, specs = local_state(model, optimizer)
         meta = shard_meta(self.layout, self.rt.rank, step, specs)
-        stats = send_state(TorchTransport(receiver), state, timeout=TRANSFER_TIMEOUT, meta=meta)
+        seal = self.rt.transfer_seal(self.rt.epoch, step, self.rt.rank, receiver)
+        stats = send_state(TorchTransport(receiver), state, timeout=TRANSFER_TIMEOUT, meta=meta, seal=seal)
         self.rt.log.info("sent my shards of step %d to rank %d: %s", step, receiver, stats)
 
     def _receive(
@@ -222,19 +225,23 @@ class ShardHandover:
         def accept(manifest: Manifest) -> None:
             judge_shard_manifest(manifest, self.layout, self.rt.rank, donor, step, model)
 
+        seal = self.rt.transfer_seal(self.rt.epoch, step, donor, self.rt.rank)
         if leaving:
-            transport: Transport = connect_to_leaving(self.rt, donor)
+            transport: Transport = connect_to_leaving(self.rt, donor, seal)
         else:
             transport = TorchTransport(donor)
         try:
-            received, stats = recv_state(transport, timeout=TRANSFER_TIMEOUT, into=into, accept=accept)
+            received, stats = recv_state(
+                transport, timeout=TRANSFER_TIMEOUT, into=into, accept=accept, seal=seal
+            )
         finally:
             if leaving:
                 transport.close()
         load_local_state(model, optimizer, received)
         self.received = True
         self.received_bytes = stats.bytes
-        report_transfer(self.rt, donor, step, stats, via="socket" if leaving else "group")
+        via = "socket" if leaving else "group"
+        report_transfer(self.rt, donor, step, stats, sealed=seal is not None, via=via)
 
 
 # --- a rank leaving by a drain, and the spare that takes its rank ------------------------
@@ -261,73 +268,63 @@ def _reachable_host(store_addr: str, store_port: int) -> str:
 class LeavingDonor:
     """A rank leaving by a drain: it sends its own shards to the spare taking its rank."""
 
-    def __init__(self, rank: int, epoch: int, store_addr: str, store_port: int) -> None:
-        self.rank, self.epoch = rank, epoch
+    def __init__(self, rank: int, epoch: int, store_addr: str, store_port: int, seal: Seal | None) -> None:
+        if seal is None:
+            raise TransferError(
+                f"rank {rank} cannot hand its shards over: it has no job secret to seal them with",
+                hint="planned migrations run under tp run, which gives every rank the job's secret",
+            )
+        self.rank, self.epoch, self.seal = rank, epoch, seal
         self.store_addr, self.store_port = store_addr, store_port
 
     def serve(
         self, state: Mapping[str, Any], meta: Any, timeout: datetime.timedelta = PLANNED_HANDOVER_TIMEOUT
     ) -> Any:
-        """Listen, publish the address, send to the first peer that shows the token; the stats."""
-        import time
-
+        """Listen, publish the sealed address, send to the first peer holding the seal; the stats."""
         from torchpass_slurm.transfer import SocketListener, send_state
 
-        token = secrets.token_hex(TOKEN_BYTES // 2)
         host = _reachable_host(self.store_addr, self.store_port)
-        deadline = time.monotonic() + timeout.total_seconds()
-        with SocketListener("0.0.0.0", 0) as listener:
+        with SocketListener(host, 0) as listener:
+            address = f"{host}:{listener.port}"
             store = _store(self.store_addr, self.store_port, self.epoch, timeout)
-            store.set(DONOR_KEY.format(rank=self.rank), f"{host}:{listener.port}:{token}")
-            while True:
-                left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-                transport = listener.accept(left)
-                try:
-                    if not hmac.compare_digest(_token_of(transport, left), token):
-                        logger.warning(
-                            "a peer connected without the token of rank %d's shards; ignored", self.rank
-                        )
-                        continue
-                    return send_state(transport, state, timeout=TRANSFER_TIMEOUT, meta=meta)
-                finally:
-                    transport.close()
+            store.set(DONOR_KEY.format(rank=self.rank), f"{address}:{self.seal.tag(address)}")
+            transport = listener.accept_sealed(self.seal, timeout)
+        try:
+            return send_state(transport, state, timeout=TRANSFER_TIMEOUT, meta=meta, seal=self.seal)
+        finally:
+            transport.close()
 
 
-def _token_of(transport: Any, timeout: datetime.timedelta) -> str:
-    import torch
-
-    buf = torch.zeros(TOKEN_BYTES, dtype=torch.uint8)
-    try:
-        transport.recv(buf, min(timeout, TRANSFER_TIMEOUT))
-    except TransferError:
-        return ""
-    return bytes(buf.numpy()).decode("ascii", errors="replace")
-
-
-def connect_to_leaving(rt: Runtime, rank: int, timeout: datetime.timedelta = PLANNED_HANDOVER_TIMEOUT) -> Any:
+def connect_to_leaving(
+    rt: Runtime, rank: int, seal: Seal | None, timeout: datetime.timedelta = PLANNED_HANDOVER_TIMEOUT
+) -> Any:
     """The transport to the leaving rank ``rank``, found in this epoch's store; TransferError
-    when it did not publish itself in time."""
-    import torch
-
+    when it did not publish itself in time or its address was not sealed with ``seal``."""
     from torchpass_slurm.transfer import SocketTransport
 
     info = rt.info
-    if info is None or not info.store_addr or not info.store_port:
+    if info is None or not info.store_addr or not info.store_port or seal is None:
         raise TransferError(
-            f"rank {rank} leaves by a drain but this rank has no rendezvous store to find it in",
-            hint="planned migrations run under tp run, which hosts the store",
+            f"rank {rank} leaves by a drain but this rank has no rendezvous store or job secret",
+            hint="planned migrations run under tp run, which hosts the store and gives the secret",
         )
     store = _store(info.store_addr, int(info.store_port), rt.epoch, timeout)
     key = DONOR_KEY.format(rank=rank)
     try:
         store.wait([key], timeout)
-        host, port, token = store.get(key).decode().rsplit(":", 2)
+        host, port, tag = store.get(key).decode("utf-8", errors="replace").rsplit(":", 2)
+        port_number = int(port)
     except (RuntimeError, ValueError) as exc:  # DistStoreError is a RuntimeError
         raise TransferError(
             f"the leaving rank {rank} did not publish its address under epoch{rt.epoch}/{key} "
             f"within {timeout}: {str(exc)[:200]}",
             hint="did the drained rank reach the switch step?",
         ) from exc
-    transport = SocketTransport.connect(host, int(port), timeout)
-    transport.send(torch.frombuffer(bytearray(token.encode("ascii")), dtype=torch.uint8), TRANSFER_TIMEOUT)
-    return transport
+    if not seal.check_tag(f"{host}:{port}", tag):
+        rt.log.warning("refused the address under epoch%d/%s: not sealed with the job's key", rt.epoch, key)
+        raise TransferError(
+            f"the address published for the leaving rank {rank} under epoch{rt.epoch}/{key} does not "
+            "carry the job's seal: someone without the job's key wrote it",
+            hint="the rendezvous store was written by an outsider; the handover is refused",
+        )
+    return SocketTransport.connect_sealed(host, port_number, seal, timeout)

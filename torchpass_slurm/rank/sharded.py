@@ -191,8 +191,9 @@ class ShardedTrainer(ElasticTrainer):
         """
         state, specs = local_state(self.model, self.optimizer)
         destroy_group(self.rt.log)
-        donor = LeavingDonor(self.rt.rank, body.epoch, body.store_addr, body.store_port)
         try:
+            seal = self.rt.transfer_seal(body.epoch, self.step, self.rt.rank, self.rt.rank)
+            donor = LeavingDonor(self.rt.rank, body.epoch, body.store_addr, body.store_port, seal)
             stats = donor.serve(state, shard_meta(self.layout, self.rt.rank, self.step, specs))
             self.rt.log.info("handed my shards of step %d to the spare: %s", self.step, stats)
         except TransferError as exc:

@@ -22,22 +22,25 @@ if TYPE_CHECKING:
     from torchpass_slurm.transfer.manifest import Manifest
     from torchpass_slurm.transfer.transport import Transport
 
-__all__ = ["ChunkMap", "send_ints", "recv_ints", "HEADER", "pack_header", "unpack_header"]
+__all__ = ["ChunkMap", "send_ints", "recv_ints", "HEADER", "FLAG_SEALED", "pack_header", "unpack_header"]
 
-#: Stream header: magic, format version, reserved, manifest length (little endian).
+#: Stream header: magic, format version, flags, manifest length (little endian).
 HEADER = struct.Struct("<4sHHQ")
 MAGIC = b"TPST"
 VERSION = 1
+#: Header flag: the manifest is followed by its MAC and every chunk digest is a MAC (``seal.py``).
+FLAG_SEALED = 1
+_KNOWN_FLAGS = FLAG_SEALED
 
 
-def pack_header(manifest_len: int) -> torch.Tensor:
+def pack_header(manifest_len: int, flags: int = 0) -> torch.Tensor:
     """The 16-byte header that precedes the manifest."""
-    return _tensor(HEADER.pack(MAGIC, VERSION, 0, manifest_len))
+    return _tensor(HEADER.pack(MAGIC, VERSION, flags, manifest_len))
 
 
-def unpack_header(buf: torch.Tensor) -> int:
-    """The manifest length from a header; TransferError if it is not ours."""
-    magic, version, _, length = HEADER.unpack(bytes(buf.numpy()))
+def unpack_header(buf: torch.Tensor) -> tuple[int, int]:
+    """The manifest length and the flags from a header; TransferError if it is not ours."""
+    magic, version, flags, length = HEADER.unpack(bytes(buf.numpy()))
     if magic != MAGIC:
         raise TransferError(
             f"the peer did not start a torchpass state stream (got magic {magic!r}, expected {MAGIC!r})",
@@ -48,7 +51,12 @@ def unpack_header(buf: torch.Tensor) -> int:
             f"the donor speaks state stream version {version}, this receiver {VERSION}",
             hint="run the same torchpass-slurm version on donor and receiver",
         )
-    return length
+    if flags & ~_KNOWN_FLAGS:
+        raise TransferError(
+            f"the state stream's header has unknown flags {flags:#06x}",
+            hint="run the same torchpass-slurm version on donor and receiver",
+        )
+    return length, flags
 
 
 def _tensor(data: bytes) -> torch.Tensor:

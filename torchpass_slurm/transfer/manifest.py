@@ -34,11 +34,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 from torchpass_slurm.errors import TransferError
+from torchpass_slurm.transfer.seal import CHUNK_MAC_BYTES, SEALED_DIGEST
 
 __all__ = [
     "Manifest",
     "TensorEntry",
     "DIGESTS",
+    "DIGEST_SIZES",
     "DENSE_DTYPES",
     "FORMAT",
     "build_manifest",
@@ -88,6 +90,11 @@ def _crc32(data: memoryview) -> bytes:
 DIGESTS: dict[str, tuple[int, Callable[[memoryview], bytes]]] = {
     "crc32": (4, _crc32),
     "blake2b-128": (16, _blake2b),
+}
+#: Every chunk digest a manifest may name -> its size: the unkeyed DIGESTS and the sealed MAC.
+DIGEST_SIZES: dict[str, int] = {
+    **{name: size for name, (size, _) in DIGESTS.items()},
+    SEALED_DIGEST: CHUNK_MAC_BYTES,
 }
 
 
@@ -151,10 +158,10 @@ class Manifest:
                 hint="donor and receiver must run the same torchpass-slurm version",
             )
         algo = doc.get("digest_algo")
-        if not isinstance(algo, str) or algo not in DIGESTS:
+        if not isinstance(algo, str) or algo not in DIGEST_SIZES:
             raise TransferError(
                 f"the state manifest uses digest algorithm {_show(algo)}; this receiver knows "
-                f"{', '.join(sorted(DIGESTS))}",
+                f"{', '.join(sorted(DIGEST_SIZES))}",
                 hint="donor and receiver must run the same torchpass-slurm version",
             )
         numbers: dict[str, int] = {}
@@ -236,8 +243,8 @@ def build_manifest(
     state: Mapping[Any, Any], *, chunk_bytes: int, digest_algo: str, meta: Any = None
 ) -> tuple[Manifest, list[Any]]:
     """The manifest of ``state`` and its tensors in stream order."""
-    if digest_algo not in DIGESTS:
-        raise ValueError(f"unknown digest algorithm {digest_algo!r}; known: {sorted(DIGESTS)}")
+    if digest_algo not in DIGEST_SIZES:
+        raise ValueError(f"unknown digest algorithm {digest_algo!r}; known: {sorted(DIGEST_SIZES)}")
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be in 1..{MAX_CHUNK_BYTES}, got {chunk_bytes}")
     if not isinstance(state, Mapping):

@@ -10,6 +10,13 @@ both release the GIL.
 
 A peer that dies closes its end: the next read sees EOF (or ``ECONNRESET``)
 and raises :class:`TransferError` at once.
+
+:meth:`SocketListener.accept_sealed` and :meth:`SocketTransport.connect_sealed`
+admit only a peer that holds a transfer's :class:`~torchpass_slurm.transfer.seal.Seal`:
+the listener sends every connection a fresh challenge and keeps the first that
+answers it right. Up to :data:`MAX_PENDING` connections are judged at once,
+each for at most :data:`HANDSHAKE_TIMEOUT`, so silent or wrong peers neither
+hold the listener nor exhaust it.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import secrets
 import select
 import socket
 import time
@@ -26,17 +34,24 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from torchpass_slurm.errors import TransferError
+from torchpass_slurm.transfer.seal import CHALLENGE_BYTES
 from torchpass_slurm.transfer.transport import AsyncTransport, Handle, seconds, timeout_error
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SocketTransport", "SocketListener", "SOCKET_BUFFER_BYTES"]
+    from torchpass_slurm.transfer.seal import Seal
+
+__all__ = ["SocketTransport", "SocketListener", "SOCKET_BUFFER_BYTES", "HANDSHAKE_TIMEOUT", "MAX_PENDING"]
 
 logger = logging.getLogger(__name__)
 
 #: SO_SNDBUF / SO_RCVBUF asked for (the kernel caps it at net.core.[rw]mem_max).
 SOCKET_BUFFER_BYTES = 4 << 20
+#: A connection to a sealed listener that has not answered its challenge by then is closed.
+HANDSHAKE_TIMEOUT = timedelta(seconds=5)
+#: Connections a sealed listener judges at once; past this the oldest is closed.
+MAX_PENDING = 16
 
 
 def _tune(sock: socket.socket) -> None:
@@ -96,6 +111,22 @@ class SocketTransport(AsyncTransport):
         """Listen on ``host:port`` and accept exactly one peer within ``timeout``."""
         with SocketListener(host, port) as listener:
             return listener.accept(timeout)
+
+    @classmethod
+    def connect_sealed(cls, host: str, port: int, seal: Seal, timeout: timedelta) -> SocketTransport:
+        """Connect to a sealed listener and answer its challenge (:meth:`SocketListener.accept_sealed`)."""
+        import torch
+
+        transport = cls.connect(host, port, timeout)
+        try:
+            challenge = torch.empty(CHALLENGE_BYTES, dtype=torch.uint8)
+            transport.recv(challenge, min(timeout, HANDSHAKE_TIMEOUT))
+            answer = seal.answer(bytes(challenge.numpy()))
+            transport.send(torch.frombuffer(bytearray(answer), dtype=torch.uint8), HANDSHAKE_TIMEOUT)
+        except BaseException:
+            transport.close()
+            raise
+        return transport
 
     @classmethod
     def connect(cls, host: str, port: int, timeout: timedelta) -> SocketTransport:
@@ -163,6 +194,26 @@ class SocketTransport(AsyncTransport):
             worker.shutdown(wait=False)
 
 
+class _Pending:
+    """A connection to a sealed listener, waiting for its answer."""
+
+    def __init__(self, conn: socket.socket, addr: str, challenge: bytes) -> None:
+        self.conn, self.addr, self.challenge = conn, addr, challenge
+        self.answer = bytearray()
+        self.expires = time.monotonic() + seconds(HANDSHAKE_TIMEOUT)
+
+    def read(self) -> bool:
+        """Read what arrived; True once the answer is complete (or the peer hung up: answer short)."""
+        try:
+            data = self.conn.recv(CHALLENGE_BYTES - len(self.answer))
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        self.answer += data
+        return not data or len(self.answer) == CHALLENGE_BYTES
+
+
 class SocketListener:
     """A listening TCP socket that hands out one :class:`SocketTransport` per accepted peer."""
 
@@ -183,6 +234,62 @@ class SocketListener:
             ) from None
         logger.debug("accepted a transfer connection from %s:%s", *addr[:2])
         return SocketTransport(conn)
+
+    def accept_sealed(self, seal: Seal, timeout: timedelta) -> SocketTransport:
+        """The first peer within ``timeout`` that answers its challenge with ``seal``'s key.
+
+        Every other connection is closed: one that answers wrong at once, a silent one
+        after :data:`HANDSHAKE_TIMEOUT`, the oldest when :data:`MAX_PENDING` are pending.
+        """
+        deadline = time.monotonic() + seconds(timeout)
+        pending: dict[socket.socket, _Pending] = {}
+        self.sock.setblocking(False)
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                now = time.monotonic()
+                for conn in [c for c, p in pending.items() if p.expires <= now]:
+                    self._refuse(pending.pop(conn), "did not answer its challenge in time")
+                wake = min([p.expires for p in pending.values()] + [deadline]) - now
+                readable, _, _ = select.select([self.sock, *pending], [], [], max(min(wake, left), 0.001))
+                for conn in readable:
+                    if conn is self.sock:
+                        self._admit(pending)
+                        continue
+                    peer = pending[conn]
+                    if not peer.read():
+                        continue
+                    del pending[conn]
+                    if seal.check_answer(peer.challenge, bytes(peer.answer)):
+                        logger.debug("admitted a sealed transfer peer from %s", peer.addr)
+                        return SocketTransport(conn)
+                    self._refuse(peer, "answered its challenge without the job's key")
+            why = f"no peer with the transfer's key connected to port {self.port}"
+            raise timeout_error("socket", "accept", 0, timeout, why)
+        finally:
+            for peer in pending.values():
+                peer.conn.close()
+
+    def _admit(self, pending: dict[socket.socket, _Pending]) -> None:
+        try:
+            conn, addr = self.sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        if len(pending) >= MAX_PENDING:
+            oldest = min(pending.values(), key=lambda p: p.expires)
+            self._refuse(pending.pop(oldest.conn), f"pushed out: {MAX_PENDING} connections pending")
+        peer = _Pending(conn, f"{addr[0]}:{addr[1]}", secrets.token_bytes(CHALLENGE_BYTES))
+        try:
+            conn.setblocking(False)
+            conn.send(peer.challenge)  # 16 bytes into an empty send buffer: never blocks
+        except OSError:
+            conn.close()
+            return
+        pending[conn] = peer
+
+    @staticmethod
+    def _refuse(peer: _Pending, why: str) -> None:
+        logger.warning("refused a transfer connection from %s: it %s", peer.addr, why)
+        peer.conn.close()
 
     def close(self) -> None:
         """Stop listening."""

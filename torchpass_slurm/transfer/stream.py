@@ -4,13 +4,21 @@ Wire format (all integers little endian; docs/design/transfer.md has the
 details and the reasons)::
 
     donor                                         receiver
-    header  "TPST" u16 version u16 0 u64 len  ->
+    header  "TPST" u16 version u16 flags u64 len ->
     manifest JSON (len bytes)                 ->
+      + (sealed) its MAC (32 bytes)           ->
                                               <-  i64 start chunk (-1: manifest rejected)
     chunk[start], digest[start],
     chunk[start+1], digest[start+1], ...      ->  verify each, write into the destination
                                               <-  i64 n_bad (-1: gave up), then n_bad x i64
     (n_bad > 0) the bad chunks again + digests ->  ... until n_bad == 0
+
+Sealed: with a :class:`~torchpass_slurm.transfer.seal.Seal` (both ends build
+it from the job's secret and the transfer's context) the header says so, the
+manifest carries a MAC and every chunk digest is a MAC of the chunk and its
+index. A receiver with a seal refuses an unsealed stream, a manifest whose MAC
+fails (before parsing it), and treats a chunk whose MAC fails as a bad chunk:
+asked again, then the transfer is given up. No forged byte is loaded.
 
 Resume: :class:`ReceiveProgress` remembers the manifest digest and how far the
 stream got. A retry with another donor that holds the same state (same
@@ -30,6 +38,7 @@ computed, on their first transmission only.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import time
@@ -40,9 +49,17 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from torchpass_slurm.errors import ConfigError, TransferError
-from torchpass_slurm.transfer.chunks import ChunkMap, pack_header, recv_ints, send_ints, unpack_header
+from torchpass_slurm.transfer.chunks import (
+    FLAG_SEALED,
+    ChunkMap,
+    pack_header,
+    recv_ints,
+    send_ints,
+    unpack_header,
+)
 from torchpass_slurm.transfer.manifest import DIGESTS, Manifest, build_manifest
 from torchpass_slurm.transfer.materialize import alloc_limit, check_allocation, materialize
+from torchpass_slurm.transfer.seal import CHUNK_MAC_BYTES, MANIFEST_MAC_BYTES, SEALED_DIGEST, Seal
 from torchpass_slurm.transfer.transport import Handle, Transport
 
 if TYPE_CHECKING:
@@ -132,25 +149,29 @@ def send_state(
     meta: Any = None,
     corrupt_chunks: Collection[int] = (),
     digest_algo: str = DEFAULT_DIGEST,
+    seal: Seal | None = None,
 ) -> TransferStats:
     """Stream ``state`` to the receiver at the other end of ``transport``.
 
     ``timeout`` bounds every single wait (no progress for that long fails the
-    transfer), not the whole transfer. Raises TransferError when the receiver
-    rejects the manifest or gives up, or the transport fails.
+    transfer), not the whole transfer. With ``seal`` the stream is sealed (the
+    chunk digests are MACs, ``digest_algo`` is not used). Raises TransferError
+    when the receiver rejects the manifest or gives up, or the transport fails.
     """
     began = time.monotonic()
-    manifest, tensors = build_manifest(state, chunk_bytes=chunk_bytes, digest_algo=digest_algo, meta=meta)
+    algo = SEALED_DIGEST if seal is not None else digest_algo
+    manifest, tensors = build_manifest(state, chunk_bytes=chunk_bytes, digest_algo=algo, meta=meta)
     raw = manifest.to_json()
-    transport.send(pack_header(len(raw)), timeout)
-    transport.send(_bytes_tensor(raw), timeout)
+    transport.send(pack_header(len(raw), FLAG_SEALED if seal is not None else 0), timeout)
+    # A sealed manifest and its MAC are one message (gloo and MPI keep message boundaries).
+    transport.send(_bytes_tensor(raw + (seal.manifest_mac(raw) if seal is not None else b"")), timeout)
     [start] = recv_ints(transport, 1, timeout)
     if start == _REJECT:
         raise TransferError("the receiver rejected the state manifest (see the receiver's log for why)")
     if not 0 <= start <= manifest.n_chunks:
         raise TransferError(f"the receiver asked to start at chunk {start} of {manifest.n_chunks}")
     stats = TransferStats(resumed_from=start, manifest_bytes=len(raw))
-    sender = _ChunkSender(transport, ChunkMap(manifest, tensors), timeout, stats)
+    sender = _ChunkSender(transport, ChunkMap(manifest, tensors), timeout, stats, seal)
     corrupt = set(corrupt_chunks) | corrupt_chunks_from_env()
     sender.send(range(start, manifest.n_chunks), corrupt)
     while True:
@@ -196,12 +217,17 @@ class _ChunkSender:
     """Double-buffered donor loop: checksum chunk i+1 while chunk i is in flight."""
 
     def __init__(
-        self, transport: Transport, cmap: ChunkMap, timeout: timedelta, stats: TransferStats
+        self,
+        transport: Transport,
+        cmap: ChunkMap,
+        timeout: timedelta,
+        stats: TransferStats,
+        seal: Seal | None,
     ) -> None:
         import torch
 
         self.transport, self.cmap, self.timeout, self.stats = transport, cmap, timeout, stats
-        size, self.digest = DIGESTS[cmap.manifest.digest_algo]
+        size, self.digest = chunk_digest(cmap.manifest.digest_algo, seal)
         n = min(cmap.manifest.chunk_bytes, cmap.manifest.total_bytes)
         self.staging = [torch.empty(n, dtype=torch.uint8) for _ in range(2)]
         self.digests = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
@@ -227,11 +253,21 @@ class _ChunkSender:
         data = None if corrupt else self.cmap.direct(index)
         if data is None:
             data = self.cmap.gather(index, self.staging[slot])
-        self.digests[slot].numpy()[:] = memoryview(self.digest(data.numpy().data))
+        self.digests[slot].numpy()[:] = memoryview(self.digest(index, data.numpy().data))
         if corrupt and data.numel():
             logger.warning("test hook: corrupting chunk %d after its digest", index)
             data[0] ^= 0xFF
         return data
+
+
+def chunk_digest(algo: str, seal: Seal | None) -> tuple[int, Callable[[int, memoryview], bytes]]:
+    """The digest size and function (chunk index, chunk bytes) -> digest of ``algo``."""
+    if algo == SEALED_DIGEST:
+        if seal is None:
+            raise TransferError(f"the chunks are sealed ({algo}) but this end holds no key")
+        return CHUNK_MAC_BYTES, seal.chunk_mac
+    size, digest = DIGESTS[algo]
+    return size, lambda _index, data: digest(data)
 
 
 def _wait_both(handles: tuple[Handle, Handle], timeout: timedelta) -> None:
@@ -250,6 +286,7 @@ def recv_state(
     progress: ReceiveProgress | None = None,
     max_alloc_bytes: int | None = None,
     accept: Callable[[Manifest], None] | None = None,
+    seal: Seal | None = None,
 ) -> tuple[dict[Any, Any], TransferStats]:
     """Receive a state from the donor at the other end of ``transport``.
 
@@ -264,15 +301,17 @@ def recv_state(
     TransferError to refuse it (a sharded receiver checks the donor's shard
     metadata against its own mesh this way). A manifest refused for any reason
     is answered with "rejected" (the donor raises) and raises TransferError here.
+    With ``seal`` only a stream sealed with the same key is accepted (module
+    docstring); without one, a sealed stream is refused.
     """
     began = time.monotonic()
     progress = progress if progress is not None else ReceiveProgress()
     limit = alloc_limit(into) if max_alloc_bytes is None else max_alloc_bytes
-    manifest, raw_len = _recv_manifest(transport, timeout, progress, into, limit, accept)
+    manifest, raw_len = _recv_manifest(transport, timeout, progress, into, limit, accept, seal)
     start = progress.received
     send_ints(transport, [start], timeout)
     stats = TransferStats(resumed_from=start, manifest_bytes=raw_len)
-    receiver = _ChunkReceiver(transport, ChunkMap(manifest, progress.tensors), timeout, stats, progress)
+    receiver = _ChunkReceiver(transport, ChunkMap(manifest, progress.tensors), timeout, stats, progress, seal)
     receiver.receive(range(start, manifest.n_chunks), streaming=True)
     for _ in range(MAX_RESEND_ROUNDS):
         if not progress.bad:
@@ -311,8 +350,10 @@ def _recv_manifest(
     into: Mapping[Any, Any] | None,
     limit: int,
     accept: Callable[[Manifest], None] | None = None,
+    seal: Seal | None = None,
 ) -> tuple[Manifest, int]:
-    """Read header + manifest, set up ``progress`` (resume or restart); reject politely on errors."""
+    """Read header + manifest (+ its MAC), set up ``progress`` (resume or restart); reject
+    politely on errors."""
     import hashlib
 
     import torch
@@ -320,7 +361,8 @@ def _recv_manifest(
     header = torch.empty(16, dtype=torch.uint8)
     transport.recv(header, timeout)
     try:
-        length = unpack_header(header)
+        length, flags = unpack_header(header)
+        _check_sealing(bool(flags & FLAG_SEALED), seal)
         if length > MAX_MANIFEST_BYTES:
             raise TransferError(
                 f"the donor announced a {length}-byte manifest; the limit is {MAX_MANIFEST_BYTES}"
@@ -328,16 +370,49 @@ def _recv_manifest(
     except TransferError:
         _reject(transport, timeout)
         raise
-    raw = torch.empty(length, dtype=torch.uint8)
+    raw = torch.empty(length + (MANIFEST_MAC_BYTES if seal is not None else 0), dtype=torch.uint8)
     transport.recv(raw, timeout)
-    data = bytes(raw.numpy())
+    data = bytes(raw.numpy()[:length])
     digest = hashlib.sha256(data).hexdigest()
     try:
+        if seal is not None:
+            _check_manifest_mac(seal, data, bytes(raw.numpy()[length:]))
         manifest = _decode_manifest(data, digest, progress, into, limit, accept)
+        if (manifest.digest_algo == SEALED_DIGEST) != (seal is not None):
+            raise TransferError(
+                f"the manifest's chunk digest is {manifest.digest_algo}, which does not match the "
+                f"stream's {'sealed' if seal is not None else 'unsealed'} header"
+            )
     except TransferError:
         _reject(transport, timeout)
         raise
     return manifest, length
+
+
+def _check_sealing(sealed: bool, seal: Seal | None) -> None:
+    if seal is not None and not sealed:
+        logger.warning("refused an unsealed state stream: this receiver takes only sealed states")
+        raise TransferError(
+            "the donor sent an unsealed state; this receiver accepts only a state sealed with the job's key",
+            hint="a peer without the job's secret, or a donor of another torchpass-slurm version",
+        )
+    if seal is None and sealed:
+        raise TransferError(
+            "the donor sent a sealed state but this receiver holds no key to check it",
+            hint="pass the same seal to recv_state as the donor passed to send_state",
+        )
+
+
+def _check_manifest_mac(seal: Seal, data: bytes, mac: bytes) -> None:
+    import hmac
+
+    if not hmac.compare_digest(seal.manifest_mac(data), mac):
+        logger.warning("refused a state manifest whose MAC does not verify (%s)", seal.context)
+        raise TransferError(
+            "the state manifest failed its MAC: it was not sealed with this job's key for this "
+            f"transfer ({seal.context})",
+            hint="a forged donor, or a stream of another transfer replayed",
+        )
 
 
 #: What decoding untrusted bytes may raise despite the checks; each becomes a TransferError.
@@ -405,12 +480,13 @@ class _ChunkReceiver:
         timeout: timedelta,
         stats: TransferStats,
         progress: ReceiveProgress,
+        seal: Seal | None,
     ) -> None:
         import torch
 
         self.transport, self.cmap, self.timeout = transport, cmap, timeout
         self.stats, self.progress = stats, progress
-        size, self.digest = DIGESTS[cmap.manifest.digest_algo]
+        size, self.digest = chunk_digest(cmap.manifest.digest_algo, seal)
         n = min(cmap.manifest.chunk_bytes, cmap.manifest.total_bytes)
         self.staging = [torch.empty(n, dtype=torch.uint8) for _ in range(2)]
         self.digests = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
@@ -445,7 +521,7 @@ class _ChunkReceiver:
         _wait_both(handles, self.timeout)
         self.stats.chunks += 1
         self.stats.bytes += data.numel()
-        good = self.digest(data.numpy().data) == bytes(self.digests[slot].numpy())
+        good = hmac.compare_digest(self.digest(index, data.numpy().data), bytes(self.digests[slot].numpy()))
         if good:
             if staged:
                 self.cmap.scatter(index, data)

@@ -63,12 +63,14 @@ def layout_of(mesh: str) -> Any:
     return MeshLayout(("replicate", "shard"), (r, s))
 
 
-def _runtime(rank: int, world: int, port: int, epoch: int, spare: bool) -> tuple[Any, FakeClient]:
+def _runtime(rank: int, world: int, port: int, epoch: int, spare: bool, out: str) -> tuple[Any, FakeClient]:
+    from torchpass_slurm.config import ENV_SECRET_FILE
     from torchpass_slurm.control.bodies import Promote, PromoteMode
     from torchpass_slurm.rank.runtime import Role, Runtime
 
     client = FakeClient()
-    rt = Runtime(Role.ACTIVE, info(rank, world, port, epoch), environ={}, client=client)
+    environ = {ENV_SECRET_FILE: str(secret_file(Path(out)))}  # the job's key seals every transfer
+    rt = Runtime(Role.ACTIVE, info(rank, world, port, epoch), environ=environ, client=client)
     if spare:
         rt.is_spare_promoted = True
         rt.promotion = Promote(rank=rank, local_rank=0, world_size=world, master_addr="127.0.0.1",
@@ -85,7 +87,7 @@ def rank_main(role: str, rank: int, mesh: str, port: int, out: str, k: int, step
     torch.set_num_threads(1)
     layout = layout_of(mesh)
     world = layout.world_size
-    rt, client = _runtime(rank, world, port, 1 if role == "spare" else 0, role == "spare")
+    rt, client = _runtime(rank, world, port, 1 if role == "spare" else 0, role == "spare", out)
     trainer = ShardedTrainer(rt, build, layout)
     ckpt = Path(out) / "ckpt"
     if role == "drain":
@@ -122,9 +124,18 @@ def _clone(obj: Any) -> Any:
     return obj
 
 
+def secret_file(out: Path) -> Path:
+    """The job's secret under ``out``, as tp-submit makes it in a run folder."""
+    from torchpass_slurm.control.secret import SECRET_DIR, SECRET_NAME, create_secret
+
+    path = out / SECRET_DIR / SECRET_NAME
+    return path if path.exists() else create_secret(out)
+
+
 def run(jobs: list[tuple[str, int]], mesh: str, port: int, out: Path, k: int, steps: int) -> None:
     """Run ``(role, rank)`` jobs as spawned processes until they end; every one must exit 0."""
     os.environ["USE_LIBUV"] = "0"
+    secret_file(out)  # before the ranks start: they all read the same one
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=rank_main, args=(role, rank, mesh, port, str(out), k, steps))
              for role, rank in jobs]

@@ -40,6 +40,7 @@ def test_a_lost_hsdp_rank_gets_only_its_shards_from_its_replica_and_ends_bitwise
     assert spare["received"]
     (done,) = [f for e, f in spare["reports"] if e == "transfer_done"]
     assert (done["donor"], done["receiver"], done["step"], done["via"]) == (3, 1, K, "group")
+    assert done["sealed"] is True
     own = ranks.state_bytes(spare["state"])
     model = sum(ranks.state_bytes(ranks.load(tmp_path, "ref", r)["state"]) for r in (0, 1))  # one replica
     assert done["bytes"] == own  # rank 1's parameters and optimizer state, nothing else
@@ -68,4 +69,5 @@ def test_a_drained_fsdp_rank_sends_its_own_shards_to_the_spare_and_the_run_ends_
     spare = ranks.load(tmp_path, "spare", 1)
     (done,) = [f for e, f in spare["reports"] if e == "transfer_done"]
     assert (done["donor"], done["receiver"], done["step"], done["via"]) == (1, 1, K, "socket")
+    assert done["sealed"] is True
     assert done["bytes"] == ranks.state_bytes(spare["state"])
