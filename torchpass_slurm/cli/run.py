@@ -95,7 +95,11 @@ def run(
         host=socket.gethostname(),
         recovery=recovery,
     )
-    result = supervisor.run()
+    try:
+        result = supervisor.run()
+    finally:
+        if supervisor.keepalive is not None:
+            supervisor.keepalive.close()
     click.echo(
         f"tp run: {result.message} (exit {result.exit_code}, epoch {result.epoch}, "
         f"restarts {result.restarts})",

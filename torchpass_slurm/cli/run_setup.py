@@ -10,9 +10,9 @@ import os
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 from torchpass_slurm import config as cfg
+from torchpass_slurm.cli.store_host import StoreHost
 from torchpass_slurm.control.secret import create_secret, load_secret
 from torchpass_slurm.control.server import ControlServer, job_address
 from torchpass_slurm.errors import ConfigError
@@ -55,7 +55,8 @@ def build_supervisor(
     secret_file = Path(os.environ.get(cfg.ENV_SECRET_FILE) or create_secret(run_dir))
     secret = load_secret(secret_file)
     # the job's own interface only; the ranks are given this address
-    server = ControlServer(secret, bind_host=job_address(host), port=0)
+    address = job_address(host)
+    server = ControlServer(secret, bind_host=address, port=0)
     # the id that cancels the whole job (a heterogeneous job's leader), for ranks whose
     # supervisor is gone (rank/orphan.py): the training component's own id cancels only it
     env = {
@@ -63,9 +64,9 @@ def build_supervisor(
         cfg.ENV_RUN_DIR: str(run_dir),
         cfg.ENV_CANCEL_JOB_ID: str(job_id),
     }
-    store = _host_store(host)
+    store = _host_store(host, address)
     if store is not None:
-        env[cfg.ENV_STORE] = f"{host}:{store.port}"
+        env[cfg.ENV_STORE] = f"{address}:{store.port}"
     config = cfg.SupervisorConfig.from_env()
     launcher = StepLauncher(
         slurm,
@@ -98,7 +99,7 @@ def build_supervisor(
         events=events,
         config=config,
         probe=probe,
-        store=(host, store.port) if store is not None else ("", 0),
+        store=(address, store.port) if store is not None else ("", 0),
         recovery=recovery,
         batch_host=host,
     )
@@ -130,23 +131,21 @@ def training_component(job_id: int, environ: Mapping[str, str]) -> tuple[int, tu
 STORE_TIMEOUT = timedelta(minutes=5)
 
 
-def _host_store(host: str) -> Any:
-    """The job's rendezvous store, hosted here: the batch host outlives every worker node.
+def _host_store(host: str, address: str) -> StoreHost | None:
+    """The job's rendezvous store, hosted on this host (it outlives every worker node), in a
+    process of its own bound to the job's ``address`` (``cli/store_host.py``).
 
     Without torch on this node there is none; the ranks then meet at rank 0
     (MASTER_ADDR) and a lost rank can only be handled by a restart.
     """
-    try:
-        from torchpass_slurm.rank.runtime import make_tcp_store
-
-        return make_tcp_store("0.0.0.0", 0, is_master=True, timeout=STORE_TIMEOUT)
-    except ImportError:
+    store = StoreHost.start(address, STORE_TIMEOUT)
+    if store is None:
         logger.warning(
             "torch is not importable on %s: no rendezvous store, live migration "
             "is off (lost ranks restart from the last checkpoint)",
             host,
         )
-        return None
+    return store
 
 
 def _component_head_last(nodes: Sequence[str], head: str | None) -> list[str]:

@@ -129,7 +129,7 @@ class Supervisor:
             store=store,
         )
         self.completion = Completion(self.job, events=events, clock=clock)
-        #: objects that must live as long as the supervisor (the rendezvous store)
+        #: what must live as long as the supervisor (the rendezvous store), closed after it
         self.keepalive: Any = None
         self._next_status = 0.0
 

@@ -116,7 +116,7 @@ def test_the_chunk_digests_of_a_sealed_stream_are_macs() -> None:
 
 def test_weights_changed_on_the_way_are_refused(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING)
-    into, errors, failure = run(Seal(SECRET, CONTEXT), Seal(SECRET, CONTEXT), tamper=plus_1000)
+    _, errors, failure = run(Seal(SECRET, CONTEXT), Seal(SECRET, CONTEXT), tamper=plus_1000)
     assert isinstance(failure, TransferError)
     assert "failed their digest" in str(failure)
     assert errors and "gave up" in str(errors[0]), "the donor must learn that the receiver gave up"
