@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from torchpass_slurm.errors import CheckpointError
-from torchpass_slurm.rank.trusted_dir import check_trusted, check_trusted_tree, make_private
+from torchpass_slurm.rank.trusted_dir import check_trusted, make_private, opened_tree
 
 __all__ = ["save", "load_latest", "latest_step", "TrainState", "RNGState", "step_dir"]
 
@@ -450,7 +450,6 @@ def load_latest(state: dict[str, Any], directory: str | os.PathLike[str]) -> int
         logger.info("no checkpoint in %s: starting from scratch", directory)
         return None
     path = step_dir(directory, step)
-    check_trusted_tree(directory, [path])  # every rank: each one unpickles the metadata
     _require_numpy_if_distributed()
     import torch.distributed.checkpoint as dcp
 
@@ -458,13 +457,15 @@ def load_latest(state: dict[str, Any], directory: str | os.PathLike[str]) -> int
     payload[_STEP_KEY] = _step_tensor(-1)
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-    try:
-        dcp.load(payload, checkpoint_id=str(path), **_no_dist_kwargs(dcp.load))
-    except (CheckpointException, RuntimeError, ValueError, KeyError, TypeError) as exc:  # _DCP_ERRORS
-        raise CheckpointError(
-            f"loading the checkpoint {path} failed: {_reason(exc)}",
-            hint="the state passed in must have the same keys and shapes as when it was saved",
-        ) from exc
+    # every rank checks (each one unpickles the metadata), and loads what it checked
+    with opened_tree(directory, path.name) as checked:
+        try:
+            dcp.load(payload, checkpoint_id=str(checked), **_no_dist_kwargs(dcp.load))
+        except (CheckpointException, RuntimeError, ValueError, KeyError, TypeError) as exc:  # _DCP_ERRORS
+            raise CheckpointError(
+                f"loading the checkpoint {path} failed: {_reason(exc)}",
+                hint="the state passed in must have the same keys and shapes as when it was saved",
+            ) from exc
     stored = int(payload[_STEP_KEY].item())
     if stored != step:
         raise CheckpointError(

@@ -68,16 +68,88 @@ def test_a_checkpoint_owned_by_another_user_is_refused(tmp_path: Path, monkeypat
         checkpoint.load_latest(state, directory)
 
 
-def test_a_link_to_someone_elses_file_is_refused_by_its_target(tmp_path: Path) -> None:
+@pytest.mark.parametrize("theirs", [True, False])
+def test_a_symbolic_link_inside_a_checkpoint_is_refused(tmp_path: Path, theirs: bool) -> None:
+    """Even to a private file: the load must not leave the folder it checked."""
     directory, state = saved(tmp_path)
     metadata = checkpoint.step_dir(directory, 3) / ".metadata"
-    elsewhere = tmp_path / "theirs"
+    elsewhere = tmp_path / "elsewhere"
     elsewhere.write_bytes(metadata.read_bytes())
-    add_mode(elsewhere, stat.S_IWOTH)
+    if theirs:
+        add_mode(elsewhere, stat.S_IWOTH)
     metadata.unlink()
     metadata.symlink_to(elsewhere)
-    with pytest.raises(CheckpointError, match="writable by others"):
+    with pytest.raises(CheckpointError, match=f"refusing to load from {metadata}: it is a symbolic link"):
         checkpoint.load_latest(state, directory)
+
+
+def test_a_folder_above_that_others_can_write_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    directory, state = saved(shared)
+    add_mode(shared, stat.S_IWOTH)  # not sticky: anyone may rename ckpt/ away and put theirs there
+    with pytest.raises(CheckpointError, match=f"the folder {shared} above it is writable by others"):
+        checkpoint.load_latest(state, directory)
+    os.chmod(shared, 0o1777)  # sticky, as /tmp: others cannot rename what is not theirs
+    assert checkpoint.load_latest(state, directory) == 3
+
+
+class _Planted:
+    """Unpickling this writes a marker file: the attacker's code ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (str(self.marker), "w"))
+
+
+RACE_S = float(os.environ.get("TP_CHECKPOINT_RACE_S", "60"))
+
+
+def test_a_checkpoint_swapped_in_a_loop_never_loads_the_planted_one(tmp_path: Path) -> None:
+    """A racer swaps the checked step folder with a planted one (its pickled metadata writable
+    by others) as fast as it can, for RACE_S seconds, while the loader loads in a loop: every
+    load either refuses or loads the real checkpoint, and the planted metadata never runs."""
+    import pickle
+    import shutil
+    import threading
+    import time
+
+    directory, state = saved(tmp_path)
+    step = checkpoint.step_dir(directory, 3)
+    planted, parked, marker = tmp_path / "planted", directory / "parked", tmp_path / "pwned"
+    shutil.copytree(step, planted)
+    (planted / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
+    add_mode(planted / ".metadata", stat.S_IWOTH)
+    stop = threading.Event()
+
+    def racer() -> None:
+        while not stop.is_set():
+            os.rename(step, parked)
+            os.rename(planted, step)
+            os.rename(step, planted)
+            os.rename(parked, step)
+
+    thread = threading.Thread(target=racer, daemon=True)
+    thread.start()
+    loads = refusals = 0
+    deadline = time.monotonic() + RACE_S
+    try:
+        while time.monotonic() < deadline:
+            state["w"] = torch.zeros(4)
+            try:
+                if checkpoint.load_latest(state, directory) == 3:
+                    loads += 1
+                    assert torch.equal(state["w"], torch.arange(4.0))
+            except CheckpointError:
+                refusals += 1
+            assert not marker.exists(), "the planted metadata was unpickled"
+    finally:
+        stop.set()
+        thread.join(5)
+    print(f"{loads} loads and {refusals} refusals in {RACE_S:g} s of swapping")
+    assert loads > 0 and refusals > 0, (loads, refusals)
 
 
 def test_a_save_under_umask_002_is_still_loadable(tmp_path: Path) -> None:
