@@ -11,6 +11,11 @@ deadline and then SIGKILLs the child. Whatever the library does — hangs, stall
 in Python or C, raises SystemExit at import, segfaults — the parent has an
 answer (a value, an error, a timeout) by the deadline.
 
+The child leads a process group of its own, and the parent kills the whole
+group: a helper process the library forked dies with it. The child's stdout
+and stderr go to ``/dev/null``, so no such helper holds the hook's own output
+open after the hook returned (slurmd reads a hook's output to its end).
+
 No pickle crosses the pipe: the child sends ``{"value": ...}`` (the caller's
 ``encode``) or ``{"error": {"type": ..., "message": ..., "source_error": bool}}``.
 """
@@ -58,6 +63,8 @@ class Child(Generic[T]):
         if pid == 0:  # the child: never returns
             os.close(read)
             _child_main(fn, encode, write)
+        with contextlib.suppress(OSError):  # the child does the same; whoever is first wins
+            os.setpgid(pid, pid)
         os.close(write)
         self.pid, self._read = pid, read
         self._how_it_ended = "still running"
@@ -101,7 +108,10 @@ class Child(Generic[T]):
             chunks.append(chunk)
 
     def _reap(self) -> None:
-        """Kill the child if it still runs and collect its status without waiting for it."""
+        """Kill the child's group (the child and what it forked) and collect the child's status
+        without waiting for it. The child is not reaped yet, so its group id is still its own."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
         # A child stuck in the kernel (a hung NFS stat) dies only when the call returns:
@@ -122,10 +132,21 @@ def _describe(status: int) -> str:
     return f"exit status {os.WEXITSTATUS(status)}"
 
 
+def _detach_output() -> None:
+    """Point fds 1 and 2 at /dev/null: what this child forks cannot hold the hook's output."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    os.close(null)
+
+
 def _child_main(fn: Callable[[], Any], encode: Callable[[Any], Any], write: int) -> None:
     """In the child: call ``fn``, write the answer, and leave without running any cleanup of the parent's."""
     code = 0
     try:
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
+        _detach_output()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         answer: dict[str, Any] = {"value": encode(fn())}
     # Deliberately everything: SystemExit from a library, KeyboardInterrupt, a bug;

@@ -16,14 +16,21 @@ it exited non-zero             :class:`~torchpass_slurm.errors.SlurmCommandError
 The timeout of a call that does not give its own is :data:`TIMEOUT_ENV`
 (``TORCHPASS_SLURM_TIMEOUT``, seconds) or :data:`DEFAULT_TIMEOUT_S`.
 
+Each command runs in a process group of its own, and a command past its
+timeout is killed with its whole group: a hung ``scontrol`` that forked
+leaves no orphan (in a node's hook, one running as root) holding the
+caller's pipes open.
+
 Unit tests inject a fake that implements the same protocol and rejects every
 command it was not told about.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -46,6 +53,9 @@ TIMEOUT_ENV = "TORCHPASS_SLURM_TIMEOUT"
 #: Generous: a busy slurmctld can take several seconds to answer; a watcher
 #: that polls every few seconds must still never hang forever.
 DEFAULT_TIMEOUT_S = 30.0
+
+#: How long to wait for a killed command's pipes to close (its group is gone by then).
+KILL_GRACE_S = 2.0
 
 #: Shown with every non-zero exit that has no more specific advice.
 GENERIC_HINT = "the message above is Slurm's own; `scontrol ping` checks that the controller answers."
@@ -125,24 +135,29 @@ class SubprocessRunner:
         limit = self.timeout if timeout is None else timeout
         started = time.monotonic()
         try:
-            proc = subprocess.run(
+            proc = subprocess.Popen(
                 argv,
-                input=input,
-                capture_output=True,
+                stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
-                timeout=limit,
-                check=False,
                 env=dict(env) if env is not None else None,
-                stdin=None if input is not None else subprocess.DEVNULL,
+                start_new_session=True,  # its own process group, killed as one
             )
         except FileNotFoundError:
             raise SlurmNotFoundError(argv[0]) from None
+        try:
+            stdout, stderr = proc.communicate(input, timeout=limit)
         except subprocess.TimeoutExpired as exc:
+            kill_group(proc)
             raise SlurmTimeoutError(argv, limit, _text(exc.stderr)) from None
+        except BaseException:
+            kill_group(proc)
+            raise
         logger.debug("%s -> %d in %.2f s", argv, proc.returncode, time.monotonic() - started)
         if proc.returncode != 0:
-            raise SlurmCommandError(argv, proc.returncode, proc.stderr, stdout=proc.stdout, hint=GENERIC_HINT)
-        return CommandResult(argv, proc.stdout, proc.stderr, proc.returncode)
+            raise SlurmCommandError(argv, proc.returncode, stderr, stdout=stdout, hint=GENERIC_HINT)
+        return CommandResult(argv, stdout, stderr, proc.returncode)
 
     def spawn(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
         argv = tuple(argv)
@@ -151,6 +166,20 @@ class SubprocessRunner:
             return subprocess.Popen(argv, env=dict(env) if env is not None else None)
         except FileNotFoundError:
             raise SlurmNotFoundError(argv[0]) from None
+
+
+def kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL ``proc``'s process group (it leads one: ``start_new_session``) and reap ``proc``.
+
+    Only for a ``proc`` not yet reaped, so its pid, the group's id, cannot have been reused.
+    The pipes close with the group, so reading what is left never waits for an orphan."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired, ValueError, OSError):
+        proc.communicate(timeout=KILL_GRACE_S)
+    if proc.returncode is None:
+        proc.kill()
+        proc.wait()
 
 
 def _text(data: str | bytes | None) -> str:

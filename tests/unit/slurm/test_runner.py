@@ -141,3 +141,27 @@ def test_bad_timeout_setting_is_a_config_error(monkeypatch: pytest.MonkeyPatch, 
     with pytest.raises(ConfigError) as info:
         default_timeout()
     assert info.value.message == f"{TIMEOUT_ENV}={bad!r} is not a positive number of seconds"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_timed_out_command_is_killed_with_what_it_forked(bin_dir: Path, tmp_path: Path) -> None:
+    """A hung scontrol that forked: its child holds the pipes; both die at the timeout."""
+    pidfile = tmp_path / "helper.pid"
+    write_script(bin_dir, "scontrol", f"sleep 30 & echo $! > {pidfile}; sleep 30")
+    began = time.monotonic()
+    with pytest.raises(SlurmTimeoutError):
+        SubprocessRunner(timeout=0.5).run(["scontrol", "ping"])
+    took = time.monotonic() - began
+    assert took < 5, f"the call waited {took:.1f} s for the forked helper's pipes"
+    helper = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(helper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(helper), "the command's forked helper outlived the timeout"
