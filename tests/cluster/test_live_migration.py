@@ -12,6 +12,7 @@ live migration with no committed step lost.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 
 import pytest
@@ -153,6 +154,33 @@ def test_a_partitioned_node_migrates_live_and_is_fenced_when_it_comes_back(
     # it was heard again, once, and that moved nothing
     fenced = [(e["node"], e["sender"]) for e in events if e["kind"] == "fenced"]
     assert fenced == [(victim, f"{victim}/0")], events
+    assert_all_live(c, job, 1)
+    assert final_hash(job) == reference_hash
+
+
+def test_a_node_cut_off_for_40_s_is_replaced_live_and_its_rank_leaves_alone(
+        healthy_cluster: Cluster, reference_hash: str) -> None:
+    """No split brain (issue 22): the cut-off rank loses its supervisor for longer than its
+    grace (15 s) but reads the supervisor's fresh lease in the run folder, so it leaves alone:
+    it neither cancels the job nor records a supervisor loss."""
+    c = healthy_cluster
+    job = submit(c, "-N", "3", "--spares", "1", train_args=slow_steps(2.0))
+    job.wait_step(3)
+    victim = active_victim(c, job)
+    c.partition(victim)
+    cut = time.monotonic()
+    wait_migrated(job, 1)
+    time.sleep(max(0.0, 40 - (time.monotonic() - cut)))
+    c.heal(victim)
+    assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+    assert not (job.host_run_dir / ".torchpass" / "supervisor-lost.json").exists()
+    out = job.output()
+    assert "it lives and this rank is cut off; leaving without ending the job" in out, out[-3000:]
+    assert "ending the job" not in out.replace("without ending the job", ""), out[-3000:]
+    doc = report(c, job)
+    assert doc.get("supervisor_lost") is None and not [j for j in doc.get("jobs", []) if j["supervisor_lost"]]
+    text = c.exec("ctl", "tp", "report", job.job_id).stdout
+    assert "supervisor was lost" not in text, text
     assert_all_live(c, job, 1)
     assert final_hash(job) == reference_hash
 

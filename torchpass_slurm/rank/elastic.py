@@ -95,7 +95,15 @@ DEFAULT_DDP_KWARGS: Mapping[str, Any] = MappingProxyType({"find_unused_parameter
 #: caused pair closure``, with no throw site). Measured: torch 2.13's gloo raises plain
 #: RuntimeError with the throw site for a dead or a hung peer; Debian's torch 2.6 the pair closure
 #: when a survivor waits on a powered-off node. DistError covers the store and NCCL's own errors.
-_TORCH_COMM_ERROR = re.compile(r"^\[(?:[^\]]*\.(?:cc|cpp|h):\d+|Rank \d+)\]|\bNCCL\b|\bpair closure\b")
+#: A rank that reached gloo's monitored barrier while rank 0 died says so ("Rank 2 successfully
+#: reached monitoredBarrier, but received errors while waiting for send/recv from rank 0 ...
+#: Original exception:" and the throw site on a line of its own): the throw site may start any
+#: line, and both of monitoredBarrier's own failures name it.
+_TORCH_COMM_ERROR = re.compile(
+    r"^\[(?:[^\]]*\.(?:cc|cpp|h):\d+|Rank \d+)\]|\bNCCL\b|\bpair closure\b"
+    r"|^Rank \d+ successfully reached monitoredBarrier, but received errors",
+    re.MULTILINE,
+)
 
 
 def is_comm_error(exc: BaseException) -> bool:

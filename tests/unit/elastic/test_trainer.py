@@ -29,11 +29,19 @@ GLOO_RESET = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] 
     RuntimeError("NCCL communicator was aborted on rank 1"),
     RuntimeError("[Rank 0]: Ranks 2 failed to pass monitoredBarrier in 15000 ms"
                  " (Socket Timeout)"),
+    # a survivor in the handover barrier when the donor, rank 0, died mid-stream (issue 24)
+    RuntimeError("Rank 2 successfully reached monitoredBarrier, but received errors while waiting"
+                 " for send/recv from rank 0. Please check rank 0 logs for faulty rank.\n"
+                 " Original exception: \n[../third_party/gloo/gloo/transport/tcp/pair.cc:534]"
+                 " Connection closed by peer [172.29.77.12]:41786"),
+    RuntimeError("Rank 1 successfully reached monitoredBarrier, but received errors while waiting"
+                 " for send/recv from rank 0. Please check rank 0 logs for faulty rank."),
     TransferError("receiving chunk 3 from rank 0: the peer closed the connection"),
     TransferTimeout("recv of 4096 bytes did not finish within 0:02:00"),
     RendezvousTimeout("rendezvous of epoch 2 timed out after 0:02:00: 2 of 3 ranks arrived"),
     dist.DistError("store client disconnected"),
-], ids=["gloo", "nccl", "barrier-timeout", "transfer", "transfer-timeout", "rendezvous", "dist-error"])
+], ids=["gloo", "nccl", "barrier-timeout", "barrier-donor-died", "barrier-donor-died-bare", "transfer",
+        "transfer-timeout", "rendezvous", "dist-error"])
 def test_a_failed_collective_is_a_comm_error(exc: BaseException) -> None:
     assert is_comm_error(exc)
 
