@@ -22,6 +22,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from tests.unit.processes import gone_within
 from torchpass_slurm.cli.store_host import StoreHost
 from torchpass_slurm.rank.rendezvous import make_tcp_store
 
@@ -96,10 +97,7 @@ def test_the_store_never_outlives_a_killed_supervisor() -> None:
     child = int(parent.stdout.readline())
     parent.kill()  # SIGKILL: no cleanup runs in the supervisor
     parent.wait()
-    deadline = time.monotonic() + 10
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(child), "the store outlived its supervisor"
+    assert gone_within(child, 10), "the store outlived its supervisor"
 
 
 def test_no_torch_no_store(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,10 +106,3 @@ def test_no_torch_no_store(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert StoreHost.start("127.0.0.1", TIMEOUT) is None
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False

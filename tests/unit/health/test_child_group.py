@@ -13,22 +13,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from tests.unit.processes import gone_within
 from torchpass_slurm.health.child import Child
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _gone_within(pid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not _alive(pid)
 
 
 def _forks_a_helper(pidfile: Path, *, hang: bool) -> int:
@@ -43,7 +29,7 @@ def test_a_helper_forked_by_a_child_that_answered_dies_with_it(tmp_path: Path) -
     pidfile = tmp_path / "helper.pid"
     child = Child(lambda: _forks_a_helper(pidfile, hang=False), int, int, "the device source")
     assert child.result(time.monotonic() + 10) == 1
-    assert _gone_within(int(pidfile.read_text()), 5), "the helper outlived the child's answer"
+    assert gone_within(int(pidfile.read_text()), 5), "the helper outlived the child's answer"
 
 
 def test_a_helper_forked_by_a_child_that_hung_dies_at_the_deadline(tmp_path: Path) -> None:
@@ -57,7 +43,7 @@ def test_a_helper_forked_by_a_child_that_hung_dies_at_the_deadline(tmp_path: Pat
     else:
         raise AssertionError("a hung child gave an answer")
     assert time.monotonic() - began < 5
-    assert _gone_within(int(pidfile.read_text()), 5), "the helper outlived the deadline"
+    assert gone_within(int(pidfile.read_text()), 5), "the helper outlived the deadline"
 
 
 def test_a_helper_that_left_the_group_does_not_hold_the_hooks_output(tmp_path: Path) -> None:
@@ -66,7 +52,8 @@ def test_a_helper_that_left_the_group_does_not_hold_the_hooks_output(tmp_path: P
     hook = textwrap.dedent(f"""
         import subprocess, time
         from pathlib import Path
-        from torchpass_slurm.health.child import Child
+        from tests.unit.processes import gone_within
+from torchpass_slurm.health.child import Child
 
         def gather():
             helper = subprocess.Popen(["setsid", "sleep", "30"])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.processes import gone_within
 from torchpass_slurm.errors import (
     ConfigError,
     SlurmCommandError,
@@ -143,14 +144,6 @@ def test_bad_timeout_setting_is_a_config_error(monkeypatch: pytest.MonkeyPatch, 
     assert info.value.message == f"{TIMEOUT_ENV}={bad!r} is not a positive number of seconds"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_a_timed_out_command_is_killed_with_what_it_forked(bin_dir: Path, tmp_path: Path) -> None:
     """A hung scontrol that forked: its child holds the pipes; both die at the timeout."""
     pidfile = tmp_path / "helper.pid"
@@ -160,8 +153,4 @@ def test_a_timed_out_command_is_killed_with_what_it_forked(bin_dir: Path, tmp_pa
         SubprocessRunner(timeout=0.5).run(["scontrol", "ping"])
     took = time.monotonic() - began
     assert took < 5, f"the call waited {took:.1f} s for the forked helper's pipes"
-    helper = int(pidfile.read_text())
-    deadline = time.monotonic() + 5
-    while _alive(helper) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(helper), "the command's forked helper outlived the timeout"
+    assert gone_within(int(pidfile.read_text()), 5), "the command's forked helper outlived the timeout"
