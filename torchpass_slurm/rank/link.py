@@ -31,8 +31,10 @@ from torchpass_slurm.control.messages import Kind
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.rank.nodebeat import NodeBeat
 from torchpass_slurm.rank.orphan import Orphan
+from torchpass_slurm.transfer.seal import Seal
 
 __all__ = [
+    "JobSeals",
     "Message",
     "ControlClientLike",
     "ClientFactory",
@@ -114,6 +116,31 @@ def connect_control(endpoint: str, secret_file: str, sender: str) -> ControlClie
     from torchpass_slurm.control.secret import load_secret
 
     return ControlClient(endpoint, load_secret(Path(secret_file)), sender)
+
+
+class JobSeals:
+    """Makes each state transfer's :class:`~torchpass_slurm.transfer.seal.Seal` from the job's
+    secret (read once, on the first transfer). Without a secret file (a plain rank, outside
+    tp run) there is no seal: the stream is then unsealed."""
+
+    def __init__(self, secret_file: str | None, job_id: str) -> None:
+        self.secret_file, self.job_id = secret_file, job_id
+        self._secret: bytes | None = None
+
+    def seal(self, epoch: int, step: int, donor: int, receiver: int) -> Seal | None:
+        """The seal of ``step``'s transfer from rank ``donor`` to rank ``receiver`` in ``epoch``
+        (both ends compute the same)."""
+        if not self.secret_file:
+            return None
+        if self._secret is None:
+            from pathlib import Path
+
+            from torchpass_slurm.control.secret import load_secret
+
+            self._secret = load_secret(Path(self.secret_file))
+        return Seal(
+            self._secret, f"job {self.job_id} epoch {epoch} step {step} rank {donor}->rank {receiver}"
+        )
 
 
 def wait_for_promotion(

@@ -44,7 +44,6 @@ import os
 import queue
 import threading
 from collections.abc import MutableMapping
-from pathlib import Path
 from typing import Any
 
 from torchpass_slurm.config import (
@@ -64,6 +63,7 @@ from torchpass_slurm.rank.link import (
     ClientFactory,
     ControlClientLike,
     Heartbeat,
+    JobSeals,
     Message,
     Outbox,
     connect_control,
@@ -145,7 +145,7 @@ class Runtime:
         self.promotion: Promote | None = None
         self._rendezvous = EpochRendezvous(self.log)
         self._health: HealthAgent | None = None
-        self._secret: bytes | None = None  # loaded on the first sealed transfer
+        self._seals = JobSeals(None if role is Role.PLAIN else environ.get(ENV_SECRET_FILE), self.job_id)
 
     # -- construction --
 
@@ -228,18 +228,8 @@ class Runtime:
         return f"{self.job_id}/{rank}/{self.epoch}/{step}"
 
     def transfer_seal(self, epoch: int, step: int, donor: int, receiver: int) -> Seal | None:
-        """The seal of the transfer of ``step``'s state from rank ``donor`` to rank ``receiver``
-        in ``epoch`` (both ends compute the same), from the job's secret; None where this
-        process has no secret (a plain rank, outside tp run): the stream is then unsealed."""
-        path = self._environ.get(ENV_SECRET_FILE)
-        if self.role is Role.PLAIN or not path:
-            return None
-        if self._secret is None:
-            from torchpass_slurm.control.secret import load_secret
-
-            self._secret = load_secret(Path(path))
-        context = f"job {self.job_id} epoch {epoch} step {step} rank {donor}->rank {receiver}"
-        return Seal(self._secret, context)
+        """The seal of ``step``'s transfer from ``donor`` to ``receiver`` (``JobSeals``); None: unsealed."""
+        return self._seals.seal(epoch, step, donor, receiver)
 
     def report_step(self, step: int) -> None:
         """Record the step this rank has reached; the next heartbeat carries it."""

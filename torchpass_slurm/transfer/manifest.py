@@ -31,16 +31,20 @@ import reprlib
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from torchpass_slurm.errors import TransferError
 from torchpass_slurm.transfer.seal import CHUNK_MAC_BYTES, SEALED_DIGEST
+
+if TYPE_CHECKING:
+    from torchpass_slurm.transfer.seal import Seal
 
 __all__ = [
     "Manifest",
     "TensorEntry",
     "DIGESTS",
     "DIGEST_SIZES",
+    "chunk_digest",
     "DENSE_DTYPES",
     "FORMAT",
     "build_manifest",
@@ -96,6 +100,16 @@ DIGEST_SIZES: dict[str, int] = {
     **{name: size for name, (size, _) in DIGESTS.items()},
     SEALED_DIGEST: CHUNK_MAC_BYTES,
 }
+
+
+def chunk_digest(algo: str, seal: Seal | None) -> tuple[int, Callable[[int, memoryview], bytes]]:
+    """The digest size and function (chunk index, chunk bytes) -> digest of ``algo``."""
+    if algo == SEALED_DIGEST:
+        if seal is None:
+            raise TransferError(f"the chunks are sealed ({algo}) but this end holds no key")
+        return CHUNK_MAC_BYTES, seal.chunk_mac
+    size, digest = DIGESTS[algo]
+    return size, lambda _index, data: digest(data)
 
 
 @dataclass(frozen=True)

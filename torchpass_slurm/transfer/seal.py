@@ -25,9 +25,21 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import struct
 
-__all__ = ["Seal", "SEALED_DIGEST", "MANIFEST_MAC_BYTES", "CHUNK_MAC_BYTES", "CHALLENGE_BYTES"]
+from torchpass_slurm.errors import TransferError
+
+__all__ = [
+    "Seal",
+    "check_sealing",
+    "SEALED_DIGEST",
+    "MANIFEST_MAC_BYTES",
+    "CHUNK_MAC_BYTES",
+    "CHALLENGE_BYTES",
+]
+
+logger = logging.getLogger(__name__)
 
 #: The manifest's ``digest_algo`` of a sealed stream: every chunk digest is a chunk MAC.
 SEALED_DIGEST = "hmac-sha256-128"
@@ -76,5 +88,30 @@ class Seal:
     def check_answer(self, challenge: bytes, answer: bytes) -> bool:
         return hmac.compare_digest(self.answer(challenge), answer)
 
+    def check_manifest(self, raw: bytes, mac: bytes) -> None:
+        """TransferError (logged) unless ``mac`` is this transfer's MAC of the manifest ``raw``."""
+        if not hmac.compare_digest(self.manifest_mac(raw), mac):
+            logger.warning("refused a state manifest whose MAC does not verify (%s)", self.context)
+            raise TransferError(
+                "the state manifest failed its MAC: it was not sealed with this job's key for this "
+                f"transfer ({self.context})",
+                hint="a forged donor, or a stream of another transfer replayed",
+            )
+
     def _mac(self, label: bytes, data: bytes) -> bytes:
         return hmac.new(self._key, label + data, hashlib.sha256).digest()
+
+
+def check_sealing(sealed: bool, seal: Seal | None) -> None:
+    """TransferError unless a stream's header (``sealed``) matches the receiver's ``seal``."""
+    if seal is not None and not sealed:
+        logger.warning("refused an unsealed state stream: this receiver takes only sealed states")
+        raise TransferError(
+            "the donor sent an unsealed state; this receiver accepts only a state sealed with the job's key",
+            hint="a peer without the job's secret, or a donor of another torchpass-slurm version",
+        )
+    if seal is None and sealed:
+        raise TransferError(
+            "the donor sent a sealed state but this receiver holds no key to check it",
+            hint="pass the same seal to recv_state as the donor passed to send_state",
+        )

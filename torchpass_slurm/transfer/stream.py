@@ -57,9 +57,9 @@ from torchpass_slurm.transfer.chunks import (
     send_ints,
     unpack_header,
 )
-from torchpass_slurm.transfer.manifest import DIGESTS, Manifest, build_manifest
+from torchpass_slurm.transfer.manifest import Manifest, build_manifest, chunk_digest
 from torchpass_slurm.transfer.materialize import alloc_limit, check_allocation, materialize
-from torchpass_slurm.transfer.seal import CHUNK_MAC_BYTES, MANIFEST_MAC_BYTES, SEALED_DIGEST, Seal
+from torchpass_slurm.transfer.seal import MANIFEST_MAC_BYTES, SEALED_DIGEST, Seal, check_sealing
 from torchpass_slurm.transfer.transport import Handle, Transport
 
 if TYPE_CHECKING:
@@ -260,16 +260,6 @@ class _ChunkSender:
         return data
 
 
-def chunk_digest(algo: str, seal: Seal | None) -> tuple[int, Callable[[int, memoryview], bytes]]:
-    """The digest size and function (chunk index, chunk bytes) -> digest of ``algo``."""
-    if algo == SEALED_DIGEST:
-        if seal is None:
-            raise TransferError(f"the chunks are sealed ({algo}) but this end holds no key")
-        return CHUNK_MAC_BYTES, seal.chunk_mac
-    size, digest = DIGESTS[algo]
-    return size, lambda _index, data: digest(data)
-
-
 def _wait_both(handles: tuple[Handle, Handle], timeout: timedelta) -> None:
     handles[0].wait(timeout)
     handles[1].wait(timeout)
@@ -362,7 +352,7 @@ def _recv_manifest(
     transport.recv(header, timeout)
     try:
         length, flags = unpack_header(header)
-        _check_sealing(bool(flags & FLAG_SEALED), seal)
+        check_sealing(bool(flags & FLAG_SEALED), seal)
         if length > MAX_MANIFEST_BYTES:
             raise TransferError(
                 f"the donor announced a {length}-byte manifest; the limit is {MAX_MANIFEST_BYTES}"
@@ -376,7 +366,7 @@ def _recv_manifest(
     digest = hashlib.sha256(data).hexdigest()
     try:
         if seal is not None:
-            _check_manifest_mac(seal, data, bytes(raw.numpy()[length:]))
+            seal.check_manifest(data, bytes(raw.numpy()[length:]))
         manifest = _decode_manifest(data, digest, progress, into, limit, accept)
         if (manifest.digest_algo == SEALED_DIGEST) != (seal is not None):
             raise TransferError(
@@ -387,32 +377,6 @@ def _recv_manifest(
         _reject(transport, timeout)
         raise
     return manifest, length
-
-
-def _check_sealing(sealed: bool, seal: Seal | None) -> None:
-    if seal is not None and not sealed:
-        logger.warning("refused an unsealed state stream: this receiver takes only sealed states")
-        raise TransferError(
-            "the donor sent an unsealed state; this receiver accepts only a state sealed with the job's key",
-            hint="a peer without the job's secret, or a donor of another torchpass-slurm version",
-        )
-    if seal is None and sealed:
-        raise TransferError(
-            "the donor sent a sealed state but this receiver holds no key to check it",
-            hint="pass the same seal to recv_state as the donor passed to send_state",
-        )
-
-
-def _check_manifest_mac(seal: Seal, data: bytes, mac: bytes) -> None:
-    import hmac
-
-    if not hmac.compare_digest(seal.manifest_mac(data), mac):
-        logger.warning("refused a state manifest whose MAC does not verify (%s)", seal.context)
-        raise TransferError(
-            "the state manifest failed its MAC: it was not sealed with this job's key for this "
-            f"transfer ({seal.context})",
-            hint="a forged donor, or a stream of another transfer replayed",
-        )
 
 
 #: What decoding untrusted bytes may raise despite the checks; each becomes a TransferError.

@@ -181,9 +181,16 @@ def test_connection_flood(served: Served) -> None:
     before = served.check()
     flood = [tcp(served) for _ in range(MAX_PENDING * 8)]
     try:
-        after = served.check()
-        shed = after["refused"].get("handshake budget", 0) - before["refused"].get("handshake budget", 0)
-        assert shed >= MAX_PENDING * 4  # the gate works through the monitor's events as they come
+        # The gate works through the monitor's events as they come: on a loaded host it may
+        # still be behind when the flood is in, so it is given a few seconds to catch up.
+        deadline = time.monotonic() + 10
+        while True:
+            after = served.check()
+            shed = after["refused"].get("handshake budget", 0) - before["refused"].get("handshake budget", 0)
+            if shed >= MAX_PENDING * 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert shed >= MAX_PENDING * 4
     finally:
         for c in flood:
             c.close()

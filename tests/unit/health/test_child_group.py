@@ -52,8 +52,7 @@ def test_a_helper_that_left_the_group_does_not_hold_the_hooks_output(tmp_path: P
     hook = textwrap.dedent(f"""
         import subprocess, time
         from pathlib import Path
-        from tests.unit.processes import gone_within
-from torchpass_slurm.health.child import Child
+        from torchpass_slurm.health.child import Child
 
         def gather():
             helper = subprocess.Popen(["setsid", "sleep", "30"])
