@@ -4,9 +4,11 @@ torch's TCPStore server runs a thread that calls ``std::terminate`` when it
 runs out of file descriptors: about 1,100 idle connections from anyone who
 reaches its port used to abort ``tp run`` itself (issue 22). Hosted in a child
 process, the store has descriptors of its own (its soft limit raised to the
-hard one), binds the job's address only, and its death is logged by the
-supervisor, which lives on: the job's control plane, detection and
-checkpoint restarts do not need the store.
+hard one), and its death is logged in the supervisor's process, which lives
+on: the job's control plane, detection and checkpoint restarts do not need
+the store. The ranks are given the job's address for it, but torch's server
+listens on every interface whatever host it is given (measured: ``*:PORT``),
+so it still admits anyone who reaches the port (``docs/security.md``).
 
 The child prints its port on its first line of stdout and then serves until
 its stdin closes, so it never outlives the supervisor (even one killed with
@@ -38,15 +40,15 @@ READY_TIMEOUT = timedelta(seconds=60)
 class StoreHost:
     """A running store process: its address, and whether it still lives."""
 
-    def __init__(self, proc: subprocess.Popen[str], bind: str, port: int) -> None:
-        self.proc, self.bind, self.port = proc, bind, port
+    def __init__(self, proc: subprocess.Popen[str], port: int) -> None:
+        self.proc, self.port = proc, port
         self._closing = False
         self._watch = threading.Thread(target=self._watch_exit, name="tp-store-watch", daemon=True)
         self._watch.start()
 
     @classmethod
     def start(cls, bind: str, timeout: timedelta) -> StoreHost | None:
-        """Start the store bound to ``bind``; None where torch is not importable (no store)."""
+        """Start the store for the address ``bind``; None where torch is not importable (no store)."""
         if importlib.util.find_spec("torch") is None:
             return None
         argv = [sys.executable, "-m", __name__, "--bind", bind, "--timeout-s", str(timeout.total_seconds())]
@@ -63,7 +65,7 @@ class StoreHost:
             )
         port = int(line)
         logger.info("rendezvous store on %s:%d (pid %d)", bind, port, proc.pid)
-        return cls(proc, bind, port)
+        return cls(proc, port)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -101,7 +103,9 @@ def _first_line(proc: subprocess.Popen[str], timeout: timedelta) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="host the job's rendezvous store until stdin closes")
-    parser.add_argument("--bind", required=True, help="the job's address to listen on")
+    parser.add_argument(
+        "--bind", required=True, help="the job's address (torch's server listens on every interface)"
+    )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="the store's wait timeout")
     args = parser.parse_args(argv)
     from torchpass_slurm.control.security import raise_fd_limit
