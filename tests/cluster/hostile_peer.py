@@ -1,12 +1,15 @@
 """A hostile peer on the cluster's network, for test_hostile_network.py (runs on a node outside the job).
 
-    python3 /src/tests/cluster/hostile_peer.py HOST PORT SECONDS
+    python3 /src/tests/cluster/hostile_peer.py HOST PORT SECONDS [--store]
 
 For SECONDS it sends what an attacker without the job's secret can: random
 bytes, truncated ZMTP greetings, 2**63-byte length headers, control messages
 forged with a random secret (over plain ZMTP and over CURVE with made-up
 keys), DEALERs claiming the routing ids the ROUTER hands out first, and bursts
-of 200 connections held open for a second. Prints what it sent as JSON.
+of 200 connections held open for a second. With ``--store`` (PORT is then the
+job's rendezvous store) it also speaks torch's TCPStore protocol, as a client
+of the store torch would have hosted: it poisons and inflates the count-in
+and rewrites gloo's addresses of the next epochs. Prints what it sent as JSON.
 Nothing it sends can be signed with the job's secret: it never reads it.
 """
 
@@ -90,14 +93,34 @@ def zmq_round(host: str, port: int, counts: dict[str, int]) -> None:
     ctx.destroy(linger=0)
 
 
-def main(host: str, port: str, seconds: str) -> None:
-    counts = {k: 0 for k in ("raw", "raw_failed", "flood", "flood_failed", "forged")}
+def store_round(host: str, port: int, counts: dict[str, int]) -> None:
+    """torch's TCPStore client writing the keys that decide a rendezvous (all refused)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    for epoch in range(4):
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=1))
+            store.set(f"epoch{epoch}/torchpass/joined", "garbage")
+            store.add(f"epoch{epoch}/torchpass/joined", 1)
+            store.set(f"epoch{epoch}/0//cpu//0/0", os.urandom(64))
+            counts["store_written"] += 1  # must stay 0: the test asserts it
+        except Exception:  # noqa: BLE001 - every way of being refused counts the same
+            counts["store_refused"] += 1
+
+
+def main(host: str, port: str, seconds: str, *mode: str) -> None:
+    names = ("raw", "raw_failed", "flood", "flood_failed", "forged", "store_written", "store_refused")
+    counts = {k: 0 for k in names}
     end = time.monotonic() + float(seconds)
     while time.monotonic() < end:
         raw_round(host, int(port), counts)
         zmq_round(host, int(port), counts)
+        if "--store" in mode:
+            store_round(host, int(port), counts)
     print(json.dumps(counts))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:])

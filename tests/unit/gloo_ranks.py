@@ -1,12 +1,13 @@
 """Helpers of the tests that run real gloo ranks on loopback: a control client that only
-records, a free port, a rendezvous store on 127.0.0.1, and a rank's place in a group that
-meets there."""
+records, a free port, a rendezvous store on 127.0.0.1 (torch's, or the job's own store that
+tp run hosts), and a rank's place in a group that meets there."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,3 +58,21 @@ def loopback_store() -> Iterator[int]:
         if dist.is_initialized():
             dist.destroy_process_group()
         del keep
+
+
+@contextlib.contextmanager
+def job_store(secret: bytes) -> Iterator[Any]:
+    """The job's store (``control/store_server.py``) on 127.0.0.1 for ``secret``, served by a
+    thread of the test, as tp run's store process serves it; the server (``.port``)."""
+    from torchpass_slurm.control.store_server import StoreServer
+
+    server = StoreServer(secret, "127.0.0.1")
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve, args=(stop,), name="test-job-store", daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()

@@ -64,9 +64,10 @@ def build_supervisor(
         cfg.ENV_RUN_DIR: str(run_dir),
         cfg.ENV_CANCEL_JOB_ID: str(job_id),
     }
-    store = _host_store(host, address)
-    if store is not None:
-        env[cfg.ENV_STORE] = f"{address}:{store.port}"
+    # the job's rendezvous store: beside the supervisor (it outlives every worker node), in a
+    # process of its own, bound to the job's address, for holders of the secret only
+    store = StoreHost.start(address, secret_file, STORE_MAX_WAIT)
+    env[cfg.ENV_STORE] = f"{address}:{store.port}"
     config = cfg.SupervisorConfig.from_env()
     launcher = StepLauncher(
         slurm,
@@ -99,7 +100,7 @@ def build_supervisor(
         events=events,
         config=config,
         probe=probe,
-        store=(address, store.port) if store is not None else ("", 0),
+        store=(address, store.port),
         recovery=recovery,
         batch_host=host,
     )
@@ -127,25 +128,8 @@ def training_component(job_id: int, environ: Mapping[str, str]) -> tuple[int, tu
     return int(component), (f"--het-group={group}",)
 
 
-#: How long the job's rendezvous store waits on one request from a rank.
-STORE_TIMEOUT = timedelta(minutes=5)
-
-
-def _host_store(host: str, address: str) -> StoreHost | None:
-    """The job's rendezvous store, hosted on this host (it outlives every worker node), in a
-    process of its own bound to the job's ``address`` (``cli/store_host.py``).
-
-    Without torch on this node there is none; the ranks then meet at rank 0
-    (MASTER_ADDR) and a lost rank can only be handled by a restart.
-    """
-    store = StoreHost.start(address, STORE_TIMEOUT)
-    if store is None:
-        logger.warning(
-            "torch is not importable on %s: no rendezvous store, live migration "
-            "is off (lost ranks restart from the last checkpoint)",
-            host,
-        )
-    return store
+#: The longest the job's rendezvous store parks one rank's get or wait.
+STORE_MAX_WAIT = timedelta(minutes=5)
 
 
 def _component_head_last(nodes: Sequence[str], head: str | None) -> list[str]:

@@ -1,31 +1,32 @@
 """The job's rendezvous store in a process of its own, beside the supervisor.
 
-torch's TCPStore server runs a thread that calls ``std::terminate`` when it
-runs out of file descriptors: about 1,100 idle connections from anyone who
-reaches its port used to abort ``tp run`` itself (issue 22). Hosted in a child
-process, the store has descriptors of its own (its soft limit raised to the
-hard one), and its death is logged in the supervisor's process, which lives
-on: the job's control plane, detection and checkpoint restarts do not need
-the store. The ranks are given the job's address for it, but torch's server
-listens on every interface whatever host it is given (measured: ``*:PORT``),
-so it still admits anyone who reaches the port (``docs/security.md``).
+The store (:class:`~torchpass_slurm.control.store_server.StoreServer`) binds
+the job's address only and admits only peers that hold the job's secret
+(CURVE with the store's key pair). It still runs in a child of ``tp run``:
+its descriptors are its own (its soft limit raised to the hard one), so a
+flood of outsiders' connections costs the supervisor nothing, and its death
+is logged in the supervisor's process, which lives on: the job's control
+plane, detection and checkpoint restarts do not need the store. (torch's
+``TCPStore``, which it replaces, listened on every interface, admitted
+anyone, and ``std::terminate``-d ``tp run`` at about 1,100 idle connections:
+issue 22.)
 
 The child prints its port on its first line of stdout and then serves until
 its stdin closes, so it never outlives the supervisor (even one killed with
 SIGKILL: the pipe closes with it)::
 
-    python -m torchpass_slurm.cli.store_host --bind ADDRESS --timeout-s 300
+    python -m torchpass_slurm.cli.store_host --bind ADDRESS --secret-file FILE --max-wait-s 300
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import subprocess
 import sys
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 from torchpass_slurm.errors import ControlPlaneError
 
@@ -47,11 +48,20 @@ class StoreHost:
         self._watch.start()
 
     @classmethod
-    def start(cls, bind: str, timeout: timedelta) -> StoreHost | None:
-        """Start the store for the address ``bind``; None where torch is not importable (no store)."""
-        if importlib.util.find_spec("torch") is None:
-            return None
-        argv = [sys.executable, "-m", __name__, "--bind", bind, "--timeout-s", str(timeout.total_seconds())]
+    def start(cls, bind: str, secret_file: Path, max_wait: timedelta) -> StoreHost:
+        """Start the store on the address ``bind`` for the job whose secret is in ``secret_file``;
+        ``max_wait`` bounds how long it parks one rank's get or wait."""
+        argv = [
+            sys.executable,
+            "-m",
+            __name__,
+            "--bind",
+            bind,
+            "--secret-file",
+            str(secret_file),
+            "--max-wait-s",
+            str(max_wait.total_seconds()),
+        ]
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         line = _first_line(proc, READY_TIMEOUT)
@@ -64,7 +74,7 @@ class StoreHost:
                 hint="its error is in the job's output above",
             )
         port = int(line)
-        logger.info("rendezvous store on %s:%d (pid %d)", bind, port, proc.pid)
+        logger.info("rendezvous store on %s:%d (pid %d), job key only", bind, port, proc.pid)
         return cls(proc, port)
 
     def alive(self) -> bool:
@@ -103,18 +113,28 @@ def _first_line(proc: subprocess.Popen[str], timeout: timedelta) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="host the job's rendezvous store until stdin closes")
-    parser.add_argument(
-        "--bind", required=True, help="the job's address (torch's server listens on every interface)"
-    )
-    parser.add_argument("--timeout-s", type=float, default=300.0, help="the store's wait timeout")
+    parser.add_argument("--bind", required=True, help="the job's address (the only one it listens on)")
+    parser.add_argument("--secret-file", required=True, type=Path, help="the job's secret (tp run's)")
+    parser.add_argument("--max-wait-s", type=float, default=300.0, help="the longest a get or wait is parked")
     args = parser.parse_args(argv)
-    from torchpass_slurm.control.security import raise_fd_limit
-    from torchpass_slurm.rank.rendezvous import make_tcp_store
+    logging.basicConfig(level=logging.INFO, format="tp store: %(levelname)s %(message)s")
+    from torchpass_slurm.control.secret import load_secret
+    from torchpass_slurm.control.store_server import StoreLimits, StoreServer
 
-    raise_fd_limit()
-    store = make_tcp_store(args.bind, 0, is_master=True, timeout=timedelta(seconds=args.timeout_s))
-    print(store.port, flush=True)
-    sys.stdin.read()  # until the supervisor closes the pipe, or dies
+    limits = StoreLimits(max_wait=timedelta(seconds=args.max_wait_s))
+    server = StoreServer(load_secret(args.secret_file), args.bind, limits=limits)
+    stop = threading.Event()
+
+    def watch_stdin() -> None:  # the supervisor closes the pipe, or dies
+        sys.stdin.read()
+        stop.set()
+
+    threading.Thread(target=watch_stdin, name="tp-store-stdin", daemon=True).start()
+    print(server.port, flush=True)
+    try:
+        server.serve(stop)
+    finally:
+        server.close()
     return 0
 
 

@@ -65,7 +65,15 @@ class Gatekeeper:
     handler for the first peer), then :meth:`start` it with the bound port.
     """
 
-    def __init__(self, ctx: zmq.Context, server: zmq.Socket, keys: CurveKeys, limits: SocketLimits) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        server: zmq.Socket,
+        keys: CurveKeys,
+        limits: SocketLimits,
+        *,
+        what: str = "a control-plane connection",
+    ) -> None:
         self._keys = keys
         self._limits = limits
         self._young_s = limits.handshake_timeout.total_seconds() + HANDSHAKE_SLACK_S
@@ -73,7 +81,7 @@ class Gatekeeper:
         self._stop = threading.Event()
         self._open: OrderedDict[int, float] = OrderedDict()  # fd -> accepted at (monotonic)
         #: what was refused, by cause (the log is rate-limited per cause)
-        self.refusals = RefusalLog(logger, "refused a control-plane connection")
+        self.refusals = RefusalLog(logger, f"refused {what}")
         #: connections shed because too many were in their handshake
         self.shed = 0
         self._zap = ctx.socket(zmq.REP)

@@ -9,6 +9,10 @@ per-job secret (:mod:`~torchpass_slurm.control.secret`)::
     client secret key = HMAC-SHA256(secret, "torchpass-slurm curve25519 client key v1")
     public key        = Curve25519(secret key)             (zmq.curve_public)
 
+The job's rendezvous store (:mod:`~torchpass_slurm.control.store_server`) is
+a second CURVE server with key pairs of its own: the same labels with
+``" store"`` appended, so that neither server's key opens the other.
+
 One client key pair serves every rank of the job. A peer that does not hold
 the secret cannot finish the handshake: it knows neither the server's public
 key (which CurveZMQ needs to open its first box) nor the client key the
@@ -35,6 +39,7 @@ from zmq.utils import z85
 
 __all__ = [
     "CurveKeys",
+    "PLANES",
     "SocketLimits",
     "DEFAULT_LIMITS",
     "ZAP_DOMAIN",
@@ -64,10 +69,18 @@ class CurveKeys:
         return f"CurveKeys(server_public={self.server_public!r}, client_public={self.client_public!r})"
 
 
-def derive_keys(secret: bytes) -> CurveKeys:
-    """The job's key pairs, derived from the per-job ``secret`` (deterministic, no I/O)."""
-    server = _secret_key(secret, _SERVER_LABEL)
-    client = _secret_key(secret, _CLIENT_LABEL)
+#: The servers of a job, each with key pairs of its own: the control plane and the rendezvous store.
+PLANES = ("control", "store")
+
+
+def derive_keys(secret: bytes, plane: str = "control") -> CurveKeys:
+    """The key pairs of ``plane`` (one of :data:`PLANES`), derived from the per-job ``secret``
+    (deterministic, no I/O)."""
+    if plane not in PLANES:
+        raise ValueError(f"unknown plane {plane!r}; the planes are {', '.join(PLANES)}")
+    suffix = b"" if plane == "control" else b" " + plane.encode("ascii")
+    server = _secret_key(secret, _SERVER_LABEL + suffix)
+    client = _secret_key(secret, _CLIENT_LABEL + suffix)
     return CurveKeys(zmq.curve_public(server), server, zmq.curve_public(client), client)
 
 

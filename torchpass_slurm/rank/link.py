@@ -119,17 +119,17 @@ def connect_control(endpoint: str, secret_file: str, sender: str) -> ControlClie
 
 
 class JobSeals:
-    """Makes each state transfer's :class:`~torchpass_slurm.transfer.seal.Seal` from the job's
-    secret (read once, on the first transfer). Without a secret file (a plain rank, outside
-    tp run) there is no seal: the stream is then unsealed."""
+    """Holds the job's secret for the rank's data plane: each state transfer's
+    :class:`~torchpass_slurm.transfer.seal.Seal`, and the key to the job's store (read once,
+    on first use). Without a secret file (a plain rank, outside tp run) there is no seal: the
+    stream is then unsealed."""
 
     def __init__(self, secret_file: str | None, job_id: str) -> None:
         self.secret_file, self.job_id = secret_file, job_id
         self._secret: bytes | None = None
 
-    def seal(self, epoch: int, step: int, donor: int, receiver: int) -> Seal | None:
-        """The seal of ``step``'s transfer from rank ``donor`` to rank ``receiver`` in ``epoch``
-        (both ends compute the same)."""
+    def secret(self) -> bytes | None:
+        """The job's secret (read on first use), or None without a secret file."""
         if not self.secret_file:
             return None
         if self._secret is None:
@@ -138,9 +138,15 @@ class JobSeals:
             from torchpass_slurm.control.secret import load_secret
 
             self._secret = load_secret(Path(self.secret_file))
-        return Seal(
-            self._secret, f"job {self.job_id} epoch {epoch} step {step} rank {donor}->rank {receiver}"
-        )
+        return self._secret
+
+    def seal(self, epoch: int, step: int, donor: int, receiver: int) -> Seal | None:
+        """The seal of ``step``'s transfer from rank ``donor`` to rank ``receiver`` in ``epoch``
+        (both ends compute the same)."""
+        secret = self.secret()
+        if secret is None:
+            return None
+        return Seal(secret, f"job {self.job_id} epoch {epoch} step {step} rank {donor}->rank {receiver}")
 
 
 def wait_for_promotion(

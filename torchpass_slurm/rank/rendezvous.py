@@ -1,11 +1,15 @@
-"""Where an epoch's process group meets: the supervisor's store, or ``env://``.
+"""Where an epoch's process group meets: the job's store, or ``env://``.
 
-Under ``tp run`` every epoch's group meets in the job's ``TCPStore`` (hosted
-by the supervisor, ``TORCHPASS_STORE``) under the prefix ``epoch<N>``, so a
+Under ``tp run`` every epoch's group meets in the job's store (hosted beside
+the supervisor, ``TORCHPASS_STORE``) under the prefix ``epoch<N>``, so a
 later epoch can be built by the same processes; every rank first counts in
 and waits for the others (:meth:`EpochRendezvous.join`), with a timeout of
-its own. Elsewhere the group meets at ``MASTER_ADDR:MASTER_PORT``. torch is
-imported only when a group is built.
+its own. The store is reached with the job's secret
+(:class:`~torchpass_slurm.rank.store.JobStore`): nobody without it can read
+or write a key. A rank given a store but no secret (the unit tests' loopback
+ranks, which host torch's own store) reaches it as a plain ``TCPStore``.
+Elsewhere the group meets at ``MASTER_ADDR:MASTER_PORT``. torch is imported
+only when a group is built.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from torchpass_slurm.errors import ConfigError, RendezvousTimeout
@@ -28,9 +33,12 @@ POLL_S = 0.05
 class EpochRendezvous:
     """One rank's way into each epoch's group; the store connection is reused by every epoch."""
 
-    def __init__(self, log: logging.LoggerAdapter[logging.Logger]) -> None:
+    def __init__(
+        self, log: logging.LoggerAdapter[logging.Logger], secret: Callable[[], bytes | None] = lambda: None
+    ) -> None:
         self.log = log
-        self._store: Any = None
+        self._secret = secret
+        self._stores: dict[tuple[str, int], Any] = {}
 
     def join(
         self,
@@ -45,7 +53,8 @@ class EpochRendezvous:
 
         if info.store_addr and info.store_port:
             wait = rendezvous_timeout or timeout
-            store = dist.PrefixStore(f"epoch{info.epoch}", self._client(info, max(wait, timeout)))
+            client = self.store(str(info.store_addr), int(info.store_port), max(wait, timeout))
+            store = dist.PrefixStore(f"epoch{info.epoch}", client)
             _await_all_ranks(store, info, wait)
             before = socket_inodes()  # gloo connects its mesh in init_process_group (group.py)
             dist.init_process_group(
@@ -79,12 +88,23 @@ class EpochRendezvous:
             recorded,
         )
 
-    def _client(self, info: RankInfo, timeout: datetime.timedelta) -> Any:
-        if self._store is None:
-            self._store = make_tcp_store(
-                str(info.store_addr), int(info.store_port or 0), is_master=False, timeout=timeout
-            )
-        return self._store
+    def store(self, addr: str, port: int, timeout: datetime.timedelta) -> Any:
+        """The connection to the job's store at ``addr:port`` (made once, then reused by every
+        epoch; ``timeout`` bounds its waits): authenticated with the job's secret when the rank
+        has one."""
+        client = self._stores.get((addr, port))
+        if client is None:
+            secret = self._secret()
+            if secret is not None:
+                from torchpass_slurm.rank.store import JobStore
+
+                client = JobStore(addr, port, secret, timeout)
+            else:
+                client = make_tcp_store(addr, port, is_master=False, timeout=timeout)
+            self._stores[(addr, port)] = client
+        else:
+            client.set_timeout(timeout)
+        return client
 
 
 def _adopt(epoch: int, backend: str, before: dict[int, int], store_port: int) -> int:

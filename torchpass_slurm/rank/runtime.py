@@ -143,9 +143,9 @@ class Runtime:
         self.reconfigures: queue.Queue[Reconfigure] = queue.Queue()
         #: the promote message, for a promoted spare
         self.promotion: Promote | None = None
-        self._rendezvous = EpochRendezvous(self.log)
         self._health: HealthAgent | None = None
         self._seals = JobSeals(None if role is Role.PLAIN else environ.get(ENV_SECRET_FILE), self.job_id)
+        self._rendezvous = EpochRendezvous(self.log, self._seals.secret)
 
     # -- construction --
 
@@ -230,6 +230,11 @@ class Runtime:
     def transfer_seal(self, epoch: int, step: int, donor: int, receiver: int) -> Seal | None:
         """The seal of ``step``'s transfer from ``donor`` to ``receiver`` (``JobSeals``); None: unsealed."""
         return self._seals.seal(epoch, step, donor, receiver)
+
+    def job_store(self, addr: str, port: int, timeout: datetime.timedelta) -> Any:
+        """The connection to the job's store at ``addr:port``, reached with the job's secret
+        (``rank/rendezvous.py``); ``timeout`` bounds its waits."""
+        return self._rendezvous.store(addr, port, timeout)
 
     def report_step(self, step: int) -> None:
         """Record the step this rank has reached; the next heartbeat carries it."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -247,12 +247,16 @@ class ShardHandover:
 # --- a rank leaving by a drain, and the spare that takes its rank ------------------------
 
 
-def _store(addr: str, port: int, epoch: int, timeout: datetime.timedelta) -> Any:
+#: Opens the job's store: (address, port, timeout) -> a torch Store (``Runtime.job_store``).
+StoreOpener = Callable[[str, int, datetime.timedelta], Any]
+
+
+def _epoch_store(
+    open_store: StoreOpener, addr: str, port: int, epoch: int, timeout: datetime.timedelta
+) -> Any:
     import torch.distributed as dist
 
-    from torchpass_slurm.rank.rendezvous import make_tcp_store
-
-    return dist.PrefixStore(f"epoch{epoch}", make_tcp_store(addr, port, is_master=False, timeout=timeout))
+    return dist.PrefixStore(f"epoch{epoch}", open_store(addr, port, timeout))
 
 
 def _reachable_host(store_addr: str, store_port: int) -> str:
@@ -268,7 +272,15 @@ def _reachable_host(store_addr: str, store_port: int) -> str:
 class LeavingDonor:
     """A rank leaving by a drain: it sends its own shards to the spare taking its rank."""
 
-    def __init__(self, rank: int, epoch: int, store_addr: str, store_port: int, seal: Seal | None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        epoch: int,
+        store_addr: str,
+        store_port: int,
+        seal: Seal | None,
+        open_store: StoreOpener,
+    ) -> None:
         if seal is None:
             raise TransferError(
                 f"rank {rank} cannot hand its shards over: it has no job secret to seal them with",
@@ -276,6 +288,7 @@ class LeavingDonor:
             )
         self.rank, self.epoch, self.seal = rank, epoch, seal
         self.store_addr, self.store_port = store_addr, store_port
+        self.open_store = open_store
 
     def serve(
         self, state: Mapping[str, Any], meta: Any, timeout: datetime.timedelta = PLANNED_HANDOVER_TIMEOUT
@@ -286,7 +299,7 @@ class LeavingDonor:
         host = _reachable_host(self.store_addr, self.store_port)
         with SocketListener(host, 0) as listener:
             address = f"{host}:{listener.port}"
-            store = _store(self.store_addr, self.store_port, self.epoch, timeout)
+            store = _epoch_store(self.open_store, self.store_addr, self.store_port, self.epoch, timeout)
             store.set(DONOR_KEY.format(rank=self.rank), f"{address}:{self.seal.tag(address)}")
             transport = listener.accept_sealed(self.seal, timeout)
         try:
@@ -308,7 +321,7 @@ def connect_to_leaving(
             f"rank {rank} leaves by a drain but this rank has no rendezvous store or job secret",
             hint="planned migrations run under tp run, which hosts the store and gives the secret",
         )
-    store = _store(info.store_addr, int(info.store_port), rt.epoch, timeout)
+    store = _epoch_store(rt.job_store, info.store_addr, int(info.store_port), rt.epoch, timeout)
     key = DONOR_KEY.format(rank=rank)
     try:
         store.wait([key], timeout)

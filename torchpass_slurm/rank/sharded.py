@@ -193,7 +193,9 @@ class ShardedTrainer(ElasticTrainer):
         destroy_group(self.rt.log)
         try:
             seal = self.rt.transfer_seal(body.epoch, self.step, self.rt.rank, self.rt.rank)
-            donor = LeavingDonor(self.rt.rank, body.epoch, body.store_addr, body.store_port, seal)
+            donor = LeavingDonor(
+                self.rt.rank, body.epoch, body.store_addr, body.store_port, seal, self.rt.job_store
+            )
             stats = donor.serve(state, shard_meta(self.layout, self.rt.rank, self.step, specs))
             self.rt.log.info("handed my shards of step %d to the spare: %s", self.step, stats)
         except TransferError as exc:

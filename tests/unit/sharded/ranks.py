@@ -18,9 +18,10 @@ Each rank writes what it ends with (its own local shards, its reports) to ``out`
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import multiprocessing
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +74,17 @@ def _runtime(rank: int, world: int, port: int, epoch: int, spare: bool, out: str
     rt = Runtime(Role.ACTIVE, info(rank, world, port, epoch), environ=environ, client=client)
     if spare:
         rt.is_spare_promoted = True
-        rt.promotion = Promote(rank=rank, local_rank=0, world_size=world, master_addr="127.0.0.1",
-                               master_port=0, epoch=epoch, mode=PromoteMode.LIVE,
-                               store_addr="127.0.0.1", store_port=port)
+        rt.promotion = Promote(
+            rank=rank,
+            local_rank=0,
+            world_size=world,
+            master_addr="127.0.0.1",
+            master_port=0,
+            epoch=epoch,
+            mode=PromoteMode.LIVE,
+            store_addr="127.0.0.1",
+            store_port=port,
+        )
     return rt, client
 
 
@@ -91,8 +100,17 @@ def rank_main(role: str, rank: int, mesh: str, port: int, out: str, k: int, step
     trainer = ShardedTrainer(rt, build, layout)
     ckpt = Path(out) / "ckpt"
     if role == "drain":
-        rt.reconfigures.put(Reconfigure(epoch=1, world_size=world, store_addr="127.0.0.1", store_port=port,
-                                        planned=True, leave=(1,), switch_after=k))
+        rt.reconfigures.put(
+            Reconfigure(
+                epoch=1,
+                world_size=world,
+                store_addr="127.0.0.1",
+                store_port=port,
+                planned=True,
+                leave=(1,),
+                switch_after=k,
+            )
+        )
     if role in ("survivor", "lost"):
         trainer.fit(train_step, k)
         if role == "lost":
@@ -110,8 +128,15 @@ def rank_main(role: str, rank: int, mesh: str, port: int, out: str, k: int, step
     if trainer.released:
         return
     state, _ = local_state(trainer.model, trainer.optimizer)
-    torch.save({"state": _clone(state), "step": trainer.step, "reports": client.reports(),
-                "received": trainer.received_state}, Path(out) / f"{role}{rank}.pt")
+    torch.save(
+        {
+            "state": _clone(state),
+            "step": trainer.step,
+            "reports": client.reports(),
+            "received": trainer.received_state,
+        },
+        Path(out) / f"{role}{rank}.pt",
+    )
 
 
 def _clone(obj: Any) -> Any:
@@ -137,8 +162,10 @@ def run(jobs: list[tuple[str, int]], mesh: str, port: int, out: Path, k: int, st
     os.environ["USE_LIBUV"] = "0"
     secret_file(out)  # before the ranks start: they all read the same one
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=rank_main, args=(role, rank, mesh, port, str(out), k, steps))
-             for role, rank in jobs]
+    procs = [
+        ctx.Process(target=rank_main, args=(role, rank, mesh, port, str(out), k, steps))
+        for role, rank in jobs
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -155,15 +182,16 @@ def load(out: Path, role: str, rank: int) -> dict[str, Any]:
     return torch.load(out / f"{role}{rank}.pt", weights_only=True)
 
 
-def host_store(timeout_s: float = 60) -> tuple[int, Any]:
-    """A rendezvous store on 127.0.0.1 hosted by the test, as tp run hosts one; (port, store)."""
-    from torchpass_slurm.rank.runtime import make_tcp_store
+@contextlib.contextmanager
+def host_store(out: Path) -> Iterator[int]:
+    """The job's store on 127.0.0.1, for the secret under ``out`` that every rank reads, as tp
+    run hosts it; its port."""
+    from torchpass_slurm.control.secret import load_secret
 
-    from ..gloo_ranks import free_port
+    from ..gloo_ranks import job_store
 
-    port = free_port()
-    return port, make_tcp_store("127.0.0.1", port, is_master=True,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+    with job_store(load_secret(secret_file(out))) as server:
+        yield server.port
 
 
 def state_bytes(state: Any) -> int:

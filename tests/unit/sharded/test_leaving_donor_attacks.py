@@ -1,8 +1,11 @@
 """A drained rank's handover against an outsider on the rendezvous store (issue 22).
 
-The store is a real TCPStore on 127.0.0.1 and the donor a real :class:`LeavingDonor`;
-the attacker holds everything the store holds and no job secret. In every case the
-legitimate spare gets the donor's own shards, or a clear refusal, never the attacker's.
+The store is torch's open TCPStore on 127.0.0.1, standing for a store an outsider can
+read and write (under tp run the job's store admits only holders of the secret:
+``tests/unit/control/test_store_attacks.py``), so that these tests hold the listener's own
+checks, the second line. The donor is a real :class:`LeavingDonor`; the attacker holds
+everything the store holds and no job secret. In every case the legitimate spare gets the
+donor's own shards, or a clear refusal, never the attacker's.
 """
 
 from __future__ import annotations
@@ -20,12 +23,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from torchpass_slurm.errors import TransferError  # noqa: E402
+from torchpass_slurm.rank.rendezvous import make_tcp_store  # noqa: E402
 from torchpass_slurm.rank.shard_handover import DONOR_KEY, LeavingDonor, connect_to_leaving  # noqa: E402
 from torchpass_slurm.transfer import SocketListener, SocketTransport, recv_state  # noqa: E402
 from torchpass_slurm.transfer.seal import CHALLENGE_BYTES, Seal  # noqa: E402
 from torchpass_slurm.transfer.socket_transport import MAX_PENDING  # noqa: E402
-
-from . import ranks  # noqa: E402
 
 EPOCH, RANK = 4, 1
 SECRET = bytes(range(32))
@@ -40,11 +42,16 @@ def shards() -> dict[str, Any]:
     return {"model": {"w": torch.arange(256, dtype=torch.float32)}, "step": 6}
 
 
+def open_store(addr: str, port: int, timeout: datetime.timedelta) -> Any:
+    return make_tcp_store(addr, port, is_master=False, timeout=timeout)
+
+
 def spare_runtime(port: int) -> Any:
     return SimpleNamespace(
         info=SimpleNamespace(store_addr="127.0.0.1", store_port=port),
         epoch=EPOCH,
         log=logging.getLogger("spare"),
+        job_store=open_store,
     )
 
 
@@ -53,7 +60,7 @@ class Donor(threading.Thread):
 
     def __init__(self, port: int, timeout: datetime.timedelta = TIMEOUT) -> None:
         super().__init__(daemon=True)
-        self.donor = LeavingDonor(RANK, EPOCH, "127.0.0.1", port, seal())
+        self.donor = LeavingDonor(RANK, EPOCH, "127.0.0.1", port, seal(), open_store)
         self.timeout = timeout
         self.stats: Any = None
         self.error: BaseException | None = None
@@ -82,8 +89,9 @@ def receive(port: int) -> dict[str, Any]:
 
 @pytest.fixture
 def store() -> Any:
-    _port, store = ranks.host_store()
-    return store
+    from ..gloo_ranks import free_port
+
+    return make_tcp_store("127.0.0.1", free_port(), is_master=True, timeout=TIMEOUT)
 
 
 def test_an_outsider_who_reads_the_address_gets_nothing_and_the_spare_gets_the_shards(store: Any) -> None:
@@ -136,11 +144,13 @@ def test_silent_and_flooding_connections_do_not_keep_the_spare_out(store: Any) -
 
 def test_a_listener_with_only_wrong_peers_times_out() -> None:
     with SocketListener("127.0.0.1", 0) as listener:
+
         def wrong() -> None:
             with socket.create_connection(("127.0.0.1", listener.port), timeout=5) as conn:
                 conn.recv(CHALLENGE_BYTES)
                 conn.sendall(b"x" * CHALLENGE_BYTES)
                 conn.recv(1)
+
         peers = [threading.Thread(target=wrong) for _ in range(3)]
         for p in peers:
             p.start()

@@ -20,16 +20,17 @@ def _no_libuv(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def fault_free(out: Path, mesh: str, world: int) -> None:
-    port, _store = ranks.host_store()
-    ranks.run([("ref", r) for r in range(world)], mesh, port, out, K, STEPS)
+    with ranks.host_store(out) as port:
+        ranks.run([("ref", r) for r in range(world)], mesh, port, out, K, STEPS)
 
 
 def test_a_lost_hsdp_rank_gets_only_its_shards_from_its_replica_and_ends_bitwise_equal(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     fault_free(tmp_path, "2x2", 4)
-    port, _store = ranks.host_store()
     jobs = [("survivor", 0), ("lost", 1), ("survivor", 2), ("survivor", 3), ("spare", 1)]
-    ranks.run(jobs, "2x2", port, tmp_path, K, STEPS)
+    with ranks.host_store(tmp_path) as port:
+        ranks.run(jobs, "2x2", port, tmp_path, K, STEPS)
 
     for rank in range(4):
         ref = ranks.load(tmp_path, "ref", rank)
@@ -54,11 +55,12 @@ def test_a_lost_hsdp_rank_gets_only_its_shards_from_its_replica_and_ends_bitwise
 
 
 def test_a_drained_fsdp_rank_sends_its_own_shards_to_the_spare_and_the_run_ends_bitwise_equal(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     fault_free(tmp_path, "1x4", 4)
-    port, _store = ranks.host_store()
     jobs = [("drain", r) for r in range(4)] + [("spare", 1)]
-    ranks.run(jobs, "1x4", port, tmp_path, K, STEPS)
+    with ranks.host_store(tmp_path) as port:
+        ranks.run(jobs, "1x4", port, tmp_path, K, STEPS)
 
     for rank in range(4):
         ref = ranks.load(tmp_path, "ref", rank)

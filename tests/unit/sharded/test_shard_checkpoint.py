@@ -17,10 +17,11 @@ EVERY, STEPS = 2, 5
 
 
 def test_a_run_resumed_from_its_shard_checkpoint_ends_bitwise_equal(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("USE_LIBUV", "0")
-    port, _store = ranks.host_store()
-    ranks.run([("ckpt", r) for r in range(2)], "1x2", port, tmp_path, EVERY, STEPS)
+    with ranks.host_store(tmp_path) as port:
+        ranks.run([("ckpt", r) for r in range(2)], "1x2", port, tmp_path, EVERY, STEPS)
     ckpt = tmp_path / "ckpt"
     assert shard_checkpoint.latest_step(ckpt) == 4
     folder = ckpt / "step-00000004"
@@ -30,8 +31,8 @@ def test_a_run_resumed_from_its_shard_checkpoint_ends_bitwise_equal(
     with open(folder / "shards-00001.tpst", "rb") as f:
         assert f.read(4) == b"TPST"  # the transfer stream's format: no pickle
 
-    port, _store = ranks.host_store()
-    ranks.run([("resume", r) for r in range(2)], "1x2", port, tmp_path, EVERY, STEPS)
+    with ranks.host_store(tmp_path) as port:
+        ranks.run([("resume", r) for r in range(2)], "1x2", port, tmp_path, EVERY, STEPS)
     for rank in range(2):
         full, resumed = ranks.load(tmp_path, "ckpt", rank), ranks.load(tmp_path, "resume", rank)
         assert resumed["step"] == STEPS
