@@ -253,10 +253,13 @@ StoreOpener = Callable[[str, int, datetime.timedelta], Any]
 
 def _epoch_store(
     open_store: StoreOpener, addr: str, port: int, epoch: int, timeout: datetime.timedelta
-) -> Any:
+) -> tuple[Any, Any]:
+    """The job's store and its view under ``epoch<N>``. Keep the first referenced while the
+    view is in use: torch's ``PrefixStore`` does not keep a store written in Python alive."""
     import torch.distributed as dist
 
-    return dist.PrefixStore(f"epoch{epoch}", open_store(addr, port, timeout))
+    base = open_store(addr, port, timeout)
+    return base, dist.PrefixStore(f"epoch{epoch}", base)
 
 
 def _reachable_host(store_addr: str, store_port: int) -> str:
@@ -299,7 +302,9 @@ class LeavingDonor:
         host = _reachable_host(self.store_addr, self.store_port)
         with SocketListener(host, 0) as listener:
             address = f"{host}:{listener.port}"
-            store = _epoch_store(self.open_store, self.store_addr, self.store_port, self.epoch, timeout)
+            _base, store = _epoch_store(
+                self.open_store, self.store_addr, self.store_port, self.epoch, timeout
+            )
             store.set(DONOR_KEY.format(rank=self.rank), f"{address}:{self.seal.tag(address)}")
             transport = listener.accept_sealed(self.seal, timeout)
         try:
@@ -321,7 +326,7 @@ def connect_to_leaving(
             f"rank {rank} leaves by a drain but this rank has no rendezvous store or job secret",
             hint="planned migrations run under tp run, which hosts the store and gives the secret",
         )
-    store = _epoch_store(rt.job_store, info.store_addr, int(info.store_port), rt.epoch, timeout)
+    _base, store = _epoch_store(rt.job_store, info.store_addr, int(info.store_port), rt.epoch, timeout)
     key = DONOR_KEY.format(rank=rank)
     try:
         store.wait([key], timeout)

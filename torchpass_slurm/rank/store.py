@@ -15,6 +15,11 @@ torch's stores do, and that thread's socket is replaced, so a late answer is
 never taken for the next request's. A forked child (a data loader worker)
 gets fresh sockets too.
 
+Keep a reference to a JobStore for as long as torch uses it: a ``PrefixStore``
+or a process group built on it holds torch's C++ side only, and once the Python
+object is collected their calls fail ("Not implemented"). The rank keeps its
+one client for the process's life (``EpochRendezvous.store``).
+
 Imported only where a group is built: it imports torch.
 """
 

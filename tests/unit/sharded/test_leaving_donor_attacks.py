@@ -46,21 +46,27 @@ def open_store(addr: str, port: int, timeout: datetime.timedelta) -> Any:
     return make_tcp_store(addr, port, is_master=False, timeout=timeout)
 
 
-def spare_runtime(port: int) -> Any:
+def open_job_store(addr: str, port: int, timeout: datetime.timedelta) -> Any:
+    from torchpass_slurm.rank.store import JobStore
+
+    return JobStore(addr, port, SECRET, timeout)
+
+
+def spare_runtime(port: int, opener: Any = open_store) -> Any:
     return SimpleNamespace(
         info=SimpleNamespace(store_addr="127.0.0.1", store_port=port),
         epoch=EPOCH,
         log=logging.getLogger("spare"),
-        job_store=open_store,
+        job_store=opener,
     )
 
 
 class Donor(threading.Thread):
     """A leaving rank serving its shards in the background."""
 
-    def __init__(self, port: int, timeout: datetime.timedelta = TIMEOUT) -> None:
+    def __init__(self, port: int, timeout: datetime.timedelta = TIMEOUT, opener: Any = open_store) -> None:
         super().__init__(daemon=True)
-        self.donor = LeavingDonor(RANK, EPOCH, "127.0.0.1", port, seal(), open_store)
+        self.donor = LeavingDonor(RANK, EPOCH, "127.0.0.1", port, seal(), opener)
         self.timeout = timeout
         self.stats: Any = None
         self.error: BaseException | None = None
@@ -78,8 +84,8 @@ def published(store: Any) -> str:
     return str(store.get(key).decode())
 
 
-def receive(port: int) -> dict[str, Any]:
-    transport = connect_to_leaving(spare_runtime(port), RANK, seal(), TIMEOUT)
+def receive(port: int, opener: Any = open_store) -> dict[str, Any]:
+    transport = connect_to_leaving(spare_runtime(port, opener), RANK, seal(), TIMEOUT)
     try:
         got, _ = recv_state(transport, timeout=TIMEOUT, into=None, seal=seal())
     finally:
@@ -108,6 +114,29 @@ def test_an_outsider_who_reads_the_address_gets_nothing_and_the_spare_gets_the_s
     thief.close()
     got = receive(store.port)
     donor.join(10)
+    assert donor.error is None and donor.stats is not None
+    assert torch.equal(got["model"]["w"], shards()["model"]["w"])
+
+
+def test_under_the_job_store_an_outsider_cannot_even_read_the_address() -> None:
+    """tp run's store: the leaving rank's address is out of an outsider's reach altogether."""
+    from tests.unit.gloo_ranks import job_store
+    from torchpass_slurm.rank.store import JobStore, StoreUnavailable
+
+    with job_store(SECRET) as server:
+        donor = Donor(server.port, opener=open_job_store)
+        donor.start()
+        key = f"epoch{EPOCH}/{DONOR_KEY.format(rank=RANK)}"
+        assert published(open_job_store("127.0.0.1", server.port, TIMEOUT))  # it is there
+        thief = JobStore(
+            "127.0.0.1", server.port, bytes(32), TIMEOUT, reply_slack=datetime.timedelta(seconds=1)
+        )
+        with pytest.raises(StoreUnavailable, match="did not answer"):
+            thief.check([key])
+        with pytest.raises(StoreUnavailable, match="did not answer"):
+            thief.set(key, "127.0.0.1:1:" + "0" * 64)
+        got = receive(server.port, open_job_store)
+        donor.join(10)
     assert donor.error is None and donor.stats is not None
     assert torch.equal(got["model"]["w"], shards()["model"]["w"])
 
