@@ -283,6 +283,11 @@ class Supervisor:
                     ev.WORKER_UP, node=node, role=step.role, ranks=list(self.job.membership.ranks_of(node))
                 )
         elif message.kind == Kind.HEARTBEAT:
+            if message.sender not in step.hello_senders and message.sender not in step.standby_senders:
+                # a straggler of an older launch on this node, stopping: its steps are not this
+                # launch's (after a checkpoint restart they sat above the steps recomputed, and
+                # the job looked stuck: issue 24); this launch's tasks greet first
+                return
             step.seen(message.sender, now, body.get("step"), body.get("state"))
             if "tasks" in body:  # a per-node heartbeat: its node's other tasks, relayed
                 step.relayed(message.sender, body["tasks"], now)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from torchpass_slurm import events as ev
+from torchpass_slurm.control import messages as msg
 from torchpass_slurm.faults import Detector
 from torchpass_slurm.phase import Phase
 from torchpass_slurm.supervisor.hang import RankView, behind, threshold
@@ -173,3 +174,28 @@ def test_progress_starts_again_from_a_step_that_went_back() -> None:
     assert p.last_advance == 5.0
     p.observe(6.0, 5)
     assert (p.last_advance, p.step_seconds) == (6.0, 1.0)
+
+
+def test_a_straggler_beat_of_a_restarted_step_does_not_stall_the_recomputed_steps(live: Live) -> None:
+    """After a checkpoint restart the new processes recompute steps below the old high mark. A
+    last heartbeat of the old process on a node, arriving after the relaunch and before the new
+    process's hello, once counted for the new step: its step stood above every recomputed one,
+    the job's highest step stopped moving, and the ranks were declared hung (issue 24)."""
+    h, _ = live(spares=0)  # no spare: the crash restarts every rank in place from the checkpoint
+    h.world.phase.update({n: Phase.SYNC for n in ("c1", "c2", "c3")})
+    h.world.crash("c2", 137, at=4.0)
+    h.world.at(3.0, lambda: h.world.hello_delay.__setitem__("c1", 2.0))  # its relaunch imports
+    straggled: list[float] = []
+
+    def straggle() -> None:
+        if len(h.launches()) > 3 and not straggled:  # just relaunched; the new c1 not up yet
+            h.server.inject(b"c1/0#1", "c1/0", msg.HEARTBEAT, {"rank": 0, "step": 10_000, "state": Phase.SYNC})
+            straggled.append(h.clock.elapsed)
+
+    h.server.on_poll.append(straggle)
+    result = h.run()
+
+    assert straggled, "the relaunch never happened"
+    assert (result.state, result.restarts) == (RunState.SUCCEEDED, 1)
+    assert not faults(h)[1:], [e.fields for e in faults(h)]  # the crash, then nothing
+    assert h.supervisor.job.steps["c1"].last_step != 10_000
