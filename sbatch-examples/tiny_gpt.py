@@ -17,7 +17,7 @@ with bitwise the same parameters as an uninterrupted one; the last line says
 so: ``done step=<N> loss=<x> params_sha256=<hash>``.
 
 Runs the same under ``tp run`` (torchpass-slurm), plain ``srun`` and
-``torchrun``: the rank comes from :func:`torchpass_slurm.rank.runtime.init`. With a
+``torchrun``: the rank comes from :class:`torchpass_slurm.train.Runtime`. With a
 world size of 1 it trains without a process group.
 
     python3 tiny_gpt.py --steps 50 --ckpt-every 10 --ckpt-dir /tmp/ckpt
@@ -37,11 +37,10 @@ import warnings
 from pathlib import Path
 
 try:
-    from torchpass_slurm.rank import checkpoint, runtime
+    from torchpass_slurm.train import ElasticTrainer, Runtime, checkpoint
 except ImportError:  # running from a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from torchpass_slurm.rank import checkpoint, runtime
-from torchpass_slurm.rank.elastic import ElasticTrainer
+    from torchpass_slurm.train import ElasticTrainer, Runtime, checkpoint
 
 import torch
 import torch.nn as nn
@@ -390,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         return plain_main(args)
 
     # Build everything before joining: a hot spare waits in rt.start() with its model built.
-    rt = runtime.Runtime.from_env()
+    rt = Runtime.from_env()
     model, opt = build(args)  # identical initial weights on every rank
     rt.start()  # a spare blocks here until promoted
     world, rank = rt.world_size, rt.rank

@@ -2,7 +2,7 @@
 """The tiny GPT of tiny_gpt.py trained with HSDP (FSDP2 ``fully_shard`` on a 2-D mesh) or pure FSDP.
 
 The model, the data and the loss are tiny_gpt.py's (one implementation, two drivers); this
-script shards them with :class:`~torchpass_slurm.rank.sharded.ShardedTrainer`::
+script shards them with :class:`~torchpass_slurm.train.ShardedTrainer`::
 
     --mesh 2x2    4 ranks: 2 replica groups ("replicate") of 2 shards ("shard"): HSDP
     --mesh 1x4    4 ranks, one group of 4 shards: pure FSDP (no replica: only a planned
@@ -39,9 +39,7 @@ import tiny_gpt  # the model, data and CLI of the DDP example (it finds torchpas
 import torch
 from torch import nn
 
-from torchpass_slurm.rank import runtime
-from torchpass_slurm.rank.layout import MeshLayout
-from torchpass_slurm.rank.sharded import ShardedTrainer
+from torchpass_slurm.train import MeshLayout, Runtime, ShardedTrainer
 
 
 def mesh_layout(text: str) -> MeshLayout:
@@ -127,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         own.sample_log = Path(run_dir) / own.sample_log
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
-    rt = runtime.Runtime.from_env()
+    rt = Runtime.from_env()
     rt.start()  # a spare blocks here until promoted (the mesh needs the group: it builds after)
     world, rank = rt.world_size, rt.rank
     if world != layout.world_size:

@@ -1,0 +1,82 @@
+"""The public API (``torchpass_slurm.train``): every name resolves to the internal object, and
+importing the package stays light."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import torchpass_slurm.train as train
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Each public name and the internal object it stands for ("module:attribute", or a module).
+INTERNAL = {
+    "init": "torchpass_slurm.rank.runtime:init",
+    "Runtime": "torchpass_slurm.rank.runtime:Runtime",
+    "Role": "torchpass_slurm.rank.rankinfo:Role",
+    "RankInfo": "torchpass_slurm.rank.rankinfo:RankInfo",
+    "ElasticTrainer": "torchpass_slurm.rank.elastic:ElasticTrainer",
+    "ShardedTrainer": "torchpass_slurm.rank.sharded:ShardedTrainer",
+    "MeshLayout": "torchpass_slurm.rank.layout:MeshLayout",
+    "checkpoint": "torchpass_slurm.rank.checkpoint",
+    "TrainState": "torchpass_slurm.rank.checkpoint:TrainState",
+    "RNGState": "torchpass_slurm.rank.checkpoint:RNGState",
+}
+
+
+def internal(where: str) -> object:
+    module, _, attribute = where.partition(":")
+    found = importlib.import_module(module)
+    return getattr(found, attribute) if attribute else found
+
+
+def test_all_is_the_documented_list_without_duplicates() -> None:
+    assert len(set(train.__all__)) == len(train.__all__)
+    assert sorted(train.__all__) == sorted(INTERNAL)
+
+
+@pytest.mark.parametrize("name", sorted(INTERNAL))
+def test_every_public_name_is_the_internal_object(name: str) -> None:
+    assert getattr(train, name) is internal(INTERNAL[name])
+
+
+def test_star_import_gives_exactly_all() -> None:
+    namespace: dict[str, object] = {}
+    exec("from torchpass_slurm.train import *", namespace)
+    assert sorted(k for k in namespace if k != "__builtins__") == sorted(train.__all__)
+
+
+def test_checkpoint_keeps_its_documented_functions() -> None:
+    for name in ("save", "load_latest", "latest_step", "TrainState", "RNGState"):
+        assert name in train.checkpoint.__all__ and callable(getattr(train.checkpoint, name))
+
+
+def imports_torch(statement: str) -> subprocess.CompletedProcess[str]:
+    code = textwrap.dedent(f"""
+        import sys
+        {statement}
+        if "torch" in sys.modules:
+            loaded = sorted(m for m in sys.modules if m.startswith("torchpass_slurm"))
+            sys.exit("torch was imported; the package's modules loaded: " + ", ".join(loaded))
+    """)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT, check=False
+    )
+
+
+def test_importing_the_package_leaves_torch_unloaded() -> None:
+    done = imports_torch("import torchpass_slurm")
+    assert done.returncode == 0, done.stderr.strip()
+
+
+def test_importing_the_public_api_leaves_torch_unloaded() -> None:
+    """train.py imports its targets directly because none of them imports torch at import time;
+    if this fails, make train.py import lazily (a module ``__getattr__``) or fix the target."""
+    done = imports_torch("import torchpass_slurm.train")
+    assert done.returncode == 0, done.stderr.strip()
