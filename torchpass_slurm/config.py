@@ -169,6 +169,11 @@ class SupervisorConfig:
     #: supervisor cannot take 4 Hz beats of every rank at thousands of ranks
     #: (docs/design/control-plane-scale.md).
     heartbeat_per_node_from: int = 256
+    #: When a spare was used, Slurm is asked for a node to refill the pool (job expansion,
+    #: supervisor/refill.py): how long one request waits for a node, and how long after a
+    #: refusal the next request is made.
+    refill_wait: float = 60.0
+    refill_retry: float = 30.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SupervisorConfig:

@@ -103,6 +103,7 @@ def build_supervisor(
         store=(address, store.port),
         recovery=recovery,
         batch_host=host,
+        refill=True,
     )
     supervisor.keepalive = store  # the store lives as long as the supervisor
     return supervisor

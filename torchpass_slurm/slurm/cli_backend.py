@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
@@ -31,6 +32,13 @@ from torchpass_slurm.slurm.steps import srun_argv, step_env
 logger = logging.getLogger(__name__)
 
 __all__ = ["CliSlurm"]
+
+#: What salloc says once it has the allocation (on stderr): "salloc: Granted job allocation 42".
+_GRANTED = re.compile(r"Granted job allocation (\d+)")
+#: A prolog run at allocation (``PrologFlags=Alloc``) is never run for a job grown by
+#: expansion on Slurm 24.11: the merged node's first step waits 40 s for it, fails with
+#: "Job prolog failed", and the node is drained (measured on the dev cluster).
+EXPANSION_BLOCKER = "Alloc"
 
 _JOB_GONE_HINT = (
     "the job may have ended and been purged from slurmctld (MinJobAge); "
@@ -211,6 +219,48 @@ class CliSlurm:
             hint=_JOB_GONE_HINT.format(job_id=job_id),
         )
         logger.info("shrank job %d to %s", job_id, keep)
+
+    def expand_job(self, job_id: int, *, wait_s: int, exclude: Iterable[str] = ()) -> tuple[str, ...]:
+        """Grow the running job ``job_id`` by one node; the nodes it got (job expansion).
+
+        ``salloc --no-shell -N1 --dependency=expand:JOB --immediate=WAIT_S`` in the job's
+        partition, excluding its own nodes and ``exclude``; once granted, the one-node job
+        gives its node to the job (``scontrol update JobId=NEW NumNodes=0``, then
+        ``JobId=JOB NumNodes=ALL``). Needs ``SchedulerParameters=permit_job_expansion``.
+        Raises SlurmError when Slurm refuses, or has no node within ``wait_s``.
+        """
+        job = self.job(job_id)
+        avoid = sorted(set(job.nodes) | set(exclude))
+        argv = ["salloc", "--no-shell", "-N1", f"--dependency=expand:{job_id}", f"--immediate={wait_s}"]
+        argv.append(f"--job-name=tp-spare-{job_id}")
+        if job.partition:
+            argv.append(f"--partition={job.partition}")
+        if avoid:
+            argv.append(f"--exclude={hostlist.compress(avoid)}")
+        result = self.runner.run(argv, timeout=wait_s + 30)
+        granted = _GRANTED.search(result.stderr + result.stdout)
+        if granted is None:
+            raise SlurmError(
+                f"salloc granted no allocation to expand job {job_id}: {result.stderr.strip()[:300]}"
+            )
+        new_id = int(granted.group(1))
+        try:
+            nodes = self.job(new_id).nodes
+            self._run(["scontrol", "update", f"JobId={new_id}", "NumNodes=0"])
+            self._run(["scontrol", "update", f"JobId={job_id}", "NumNodes=ALL"])
+        except SlurmError:
+            self.cancel(new_id)  # never leave the node held by a job nobody uses
+            raise
+        logger.info("expanded job %d by %s (through job %d)", job_id, ",".join(nodes), new_id)
+        return nodes
+
+    def config_value(self, key: str) -> str | None:
+        """One setting of slurmctld's running configuration (``scontrol show config``), or None."""
+        for line in self._run(["scontrol", "show", "config"]).stdout.splitlines():
+            name, sep, value = line.partition("=")
+            if sep and name.strip().lower() == key.lower():
+                return value.strip()
+        return None
 
     def cancel(self, job_id: int, *, signal: str | None = None) -> None:
         """``scancel`` the job, or send it ``signal`` (e.g. ``"USR1"``) instead."""

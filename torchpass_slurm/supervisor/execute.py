@@ -90,6 +90,14 @@ class Executor:
         self.job.membership = new
         self.events.epoch = new.epoch
 
+    def add_spare(self, node: str, waited: float) -> None:
+        """A node Slurm gave the job joins the spare pool: its standby step starts (a refill)."""
+        new = self.job.membership.with_spare(node)
+        self.change_membership(new)
+        self.job.steps[node] = self.launcher.launch(node, new)
+        self.events.append(ev.SPARE_ADDED, node=node, seconds=waited, spares=list(new.spares))
+        logger.info("%s joined the spare pool, %.1f s after it was asked for", node, waited)
+
     # -- plans ------------------------------------------------------------------
     def execute(self, plan: Plan) -> None:
         """Carry out ``plan``: record and stop what was lost, act, then release dead nodes."""

@@ -42,6 +42,7 @@ from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.mesh import accept_mesh
 from torchpass_slurm.supervisor.plan import Policy, WorkerFacts, plan_recovery
 from torchpass_slurm.supervisor.probe import Probe
+from torchpass_slurm.supervisor.refill import SparePool, waited_s
 from torchpass_slurm.supervisor.state import Clock, JobState, RunResult, RunState
 from torchpass_slurm.supervisor.status import job_status, write_status
 from torchpass_slurm.supervisor.workers import StepLauncher, WorkerState, WorkerStep
@@ -104,6 +105,7 @@ class Supervisor:
         clock: Clock = time,
         batch_host: str | None = None,
         probe: Probe | None = None,
+        refill: bool = False,
     ) -> None:
         self.run_dir = run_dir
         self.launcher = launcher
@@ -129,6 +131,15 @@ class Supervisor:
             store=store,
         )
         self.completion = Completion(self.job, events=events, clock=clock)
+        #: asks Slurm for a node whenever a spare was used (``refill``: tp run's jobs do)
+        self.pool = SparePool(
+            self.job,
+            slurm=slurm,
+            events=events,
+            config=config,
+            clock=clock,
+            target=len(membership.spares) if refill else 0,
+        )
         #: what must live as long as the supervisor (the rendezvous store), closed after it
         self.keepalive: Any = None
         self._next_status = 0.0
@@ -166,6 +177,9 @@ class Supervisor:
                 self.launcher.enforce()
                 self._reap()
                 self.executor.allocation.collect()
+                self.pool.check()
+                for granted in self.pool.ready():
+                    self.executor.add_spare(granted.node, waited_s(granted, self.clock))
                 faults = self.detectors.detect()
                 if faults:
                     self._recover(faults)
@@ -182,6 +196,7 @@ class Supervisor:
                 self.executor.finish(RunState.FAILED, 1, f"supervisor stopped: {err!r}")
             raise
         finally:
+            self.pool.close()
             self.executor.allocation.close()
             self._write_status(force=True)
             if self.probe is not None:

@@ -167,6 +167,14 @@ class Membership:
             tuple(failed),
         )
 
+    def with_spare(self, node: str) -> Membership:
+        """``node`` joins the spare pool (a refill), in the same epoch: no rank moves. A node
+        the job lost before and that Slurm gave back (repaired) leaves ``failed``."""
+        if node in self.active or node in self.spares:
+            raise MembershipError(f"{node} cannot join as a spare: it is {self._describe(node)}")
+        failed = tuple(n for n in self.failed if n != node)
+        return Membership(self.epoch, self.ntasks_per_node, self.active, (*self.spares, node), failed)
+
     def drop_spare(self, node: str) -> Membership:
         """A spare died on standby: remove it from the pool; the next epoch."""
         return self.without_spares([node])

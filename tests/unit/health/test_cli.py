@@ -183,8 +183,9 @@ def test_install_shows_and_writes(tmp_path: Path) -> None:
             "# torchpass health checks (tp health install)\n"
             "Prolog=/etc/slurm/torchpass-prolog.sh\n"
             "Epilog=/etc/slurm/torchpass-epilog.sh\n"
-            "# run the prolog on every allocated node at allocation time (spares too)\n"
-            "PrologFlags=Alloc\n"
+            "# no PrologFlags=Alloc: tp run starts a step on every node (spares too) at once, and a\n"
+            "# node merged into a running job (a spare refill) never gets the allocation prolog\n"
+            "# and add permit_job_expansion to your SchedulerParameters (spare pool refills)\n"
             "HealthCheckProgram=/etc/slurm/torchpass-healthcheck.sh\n"
             "HealthCheckInterval=120\n"
             "HealthCheckNodeState=ANY,CYCLE\n") in shown.out

@@ -195,3 +195,44 @@ def test_the_default_partition_is_the_one_scontrol_marks_default(fake_runner: Fa
 def test_no_default_partition_is_none(fake_runner: FakeRunner) -> None:
     fake_runner.on(["scontrol", "show", "partition", "-o"], "PartitionName=service Default=NO Nodes=s1\n")
     assert make(fake_runner).default_partition() is None
+
+
+def _job_line(job_id: int, nodes: str) -> str:
+    """``scontrol -o show job`` of a running job: the recorded line with its id and nodes."""
+    line = fixture_text("24.11", "scontrol_show_job_running.txt")
+    line = line.replace("JobId=1 ", f"JobId={job_id} ", 1)
+    return " ".join(f"NodeList={nodes}" if w.startswith("NodeList=") else w for w in line.split(" "))
+
+
+def test_expand_job_asks_for_one_node_beside_the_job_and_merges_it(fake_runner: FakeRunner) -> None:
+    fake_runner.on(["scontrol", "-o", "show", "job", "7"], _job_line(7, "c[1-3]"))
+    salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=60", "--job-name=tp-spare-7"]
+    fake_runner.on([*salloc, "--partition=debug", "--exclude=c[1-3,5]"], "salloc: Granted job allocation 9\n")
+    fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c4"))
+    fake_runner.on(["scontrol", "update", "JobId=9", "NumNodes=0"])
+    fake_runner.on(["scontrol", "update", "JobId=7", "NumNodes=ALL"])
+
+    assert make(fake_runner).expand_job(7, wait_s=60, exclude=["c5"]) == ("c4",)
+    assert [c.argv[:3] for c in fake_runner.calls][-2:] == [("scontrol", "update", "JobId=9"),
+                                                          ("scontrol", "update", "JobId=7")]
+
+
+def test_a_merge_that_fails_gives_the_node_back(fake_runner: FakeRunner) -> None:
+    fake_runner.on(["scontrol", "-o", "show", "job", "7"], _job_line(7, "c1"))
+    salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=5", "--job-name=tp-spare-7"]
+    fake_runner.on([*salloc, "--partition=debug", "--exclude=c1"], "salloc: Granted job allocation 9\n")
+    fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c2"))
+    refused = SlurmCommandError(["scontrol"], 1, "scontrol: error: Job expansion not permitted")
+    fake_runner.on(["scontrol", "update", "JobId=9", "NumNodes=0"], refused)
+    fake_runner.on(["scancel", "9"])
+
+    with pytest.raises(SlurmError, match="not permitted"):
+        make(fake_runner).expand_job(7, wait_s=5)
+    assert fake_runner.calls[-1].argv == ("scancel", "9")
+
+
+def test_config_value_reads_one_setting(fake_runner: FakeRunner) -> None:
+    fake_runner.on(["scontrol", "show", "config"], "Configuration data as of x\nPrologFlags             = Alloc,Contain\n")
+    slurm = make(fake_runner)
+    assert slurm.config_value("PrologFlags") == "Alloc,Contain"
+    assert slurm.config_value("NoSuchKey") is None

@@ -76,7 +76,8 @@ class Harness:
 def make(tmp_path: Path) -> Callable[..., Harness]:
     def build(*, active: int = 3, spares: int = 1, ntasks: int = 1, train_s: float | None = 8.0,
               config: SupervisorConfig = CONFIG, store: tuple[str, int] = ("", 0),
-              recovery: str = "live", probe: bool = False, node_beats: bool = False) -> Harness:
+              recovery: str = "live", probe: bool = False, node_beats: bool = False,
+              refill: bool = False) -> Harness:
         clock = VirtualClock()
         nodes = [f"c{i}" for i in range(1, active + spares + 1)]
         slurm = FakeSlurm(clock, nodes)
@@ -91,7 +92,7 @@ def make(tmp_path: Path) -> Callable[..., Harness]:
                                 membership=Membership.initial(nodes, active, ntasks),
                                 launcher=launcher, server=server, slurm=slurm,  # type: ignore[arg-type]
                                 events=events, config=config, clock=clock, store=store,
-                                recovery=recovery, probe=prober)
+                                recovery=recovery, probe=prober, refill=refill)
         return Harness(clock, slurm, server, world, launcher, supervisor, run_dir, prober)
 
     return build
@@ -110,9 +111,10 @@ def live(make: Callable[..., Harness]) -> Live:
     """``make``'s harness with a rendezvous store, ``recovery`` and elastic ranks on ``elastic`` nodes."""
     def build(*, recovery: str = "live", elastic: set[str] | None = None, active: int = 3,
               spares: int = 1, ntasks: int = 1, agreed_lag: int = 0,
-              probe: bool = False, node_beats: bool = False) -> tuple[Harness, ElasticRanks]:
+              probe: bool = False, node_beats: bool = False,
+              refill: bool = False) -> tuple[Harness, ElasticRanks]:
         h = make(active=active, spares=spares, ntasks=ntasks, train_s=TRAIN_S, store=STORE,
-                 recovery=recovery, probe=probe, node_beats=node_beats)
+                 recovery=recovery, probe=probe, node_beats=node_beats, refill=refill)
         return h, ElasticRanks(h.world, elastic, agreed_lag=agreed_lag)
     return build
 

@@ -32,7 +32,7 @@ from torchpass_slurm import config as cfg
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.control.bodies import Report
 from torchpass_slurm.control.messages import Message, ReportKind, encode
-from torchpass_slurm.errors import ControlPlaneError
+from torchpass_slurm.errors import SlurmError, ControlPlaneError
 from torchpass_slurm.slurm.models import Job, Node
 from torchpass_slurm.supervisor.probe import ProbeResult
 from torchpass_slurm.supervisor.workers import StepLauncher, WorkerStep
@@ -150,6 +150,10 @@ class FakeSlurm:
         self.on_launch: list[Callable[[Launch], None]] = []
         self.shrinks: list[list[str]] = []  # keep_nodes of every shrink_job()
         self.drains: list[tuple[str, str]] = []  # (node, reason) of every drain()
+        #: nodes job expansion can give (the cluster's idle ones), and slurmctld's PrologFlags
+        self.idle: list[str] = []
+        self.prolog_flags = ""
+        self.expansions: list[tuple[str, ...]] = []  # nodes each expand_job() gave (or () refused)
 
     def set_node(self, name: str, state: str = "ALLOCATED", *flags: str, reason: str | None = None) -> None:
         self.node_states[name] = Node(name, state, frozenset(flags), reason)
@@ -174,6 +178,21 @@ class FakeSlurm:
             raise self.error
         wanted = list(self.node_states) if names is None else list(names)
         return tuple(self.node_states[n] for n in wanted if n in self.node_states)
+
+    def expand_job(self, job_id: int, *, wait_s: int, exclude: Iterable[str] = ()) -> tuple[str, ...]:
+        """As job expansion: the first idle node not excluded joins the job; SlurmError if none."""
+        free = [n for n in self.idle if n not in set(exclude) and n not in self.job_nodes]
+        if not free:
+            self.expansions.append(())
+            raise SlurmError(f"salloc: error: Unable to allocate resources within {wait_s} s")
+        self.idle.remove(free[0])
+        self.job_nodes.append(free[0])
+        self.set_node(free[0])
+        self.expansions.append((free[0],))
+        return (free[0],)
+
+    def config_value(self, key: str) -> str | None:
+        return self.prolog_flags if key == "PrologFlags" else None
 
     def launch_step(self, command: Sequence[str], *, node: str, job_id: int | None = None,
                     ntasks: int = 1, job_name: str | None = None, extra_args: Sequence[str] = (),

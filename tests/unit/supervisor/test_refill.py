@@ -1,0 +1,90 @@
+"""The spare pool refills: a used spare is replaced by a node Slurm gives the running job.
+
+The Slurm side is :class:`~.fakes.FakeSlurm`'s job expansion: ``idle`` lists
+the nodes it can give, ``prolog_flags`` what slurmctld runs with. The real
+expansion runs on the dev cluster (``tests/cluster/test_spare_pool.py``).
+"""
+
+from __future__ import annotations
+
+import time
+
+from torchpass_slurm import events as ev
+from torchpass_slurm.supervisor.loop import RunState
+
+from .conftest import CONFIG, Harness, Live, at_of
+
+
+def wait_thread(h: Harness) -> None:
+    """The pool asks Slurm on a thread of its own: give it a moment of real time each pass."""
+    h.server.on_poll.append(lambda: time.sleep(0.002) if h.supervisor.pool.asking else None)
+
+
+def test_two_losses_on_one_spare_are_both_live_when_slurm_refills_the_pool(live: Live) -> None:
+    h, ranks = live(refill=True)  # c1-c3 active, c4 the spare
+    h.slurm.idle = ["c5"]
+    wait_thread(h)
+    h.world.go_silent("c2", at=3.0)
+    ranks.fail_collective("c1", at=3.5)
+    h.world.go_silent("c3", at=12.0)
+    ranks.fail_collective("c1", at=12.5)
+
+    result = h.run()
+
+    assert (result.state, result.exit_code, result.restarts) == (RunState.SUCCEEDED, 0, 0)
+    promoted = [(e.fields["node"], e.fields["replaces"]) for e in h.of_kind(ev.SPARE_PROMOTED)]
+    assert promoted == [("c4", "c2"), ("c5", "c3")]
+    assert [e.fields["mode"] for e in h.of_kind(ev.MIGRATION_STARTED)] == ["live", "live"]
+    requested = h.of_kind(ev.SPARE_REQUESTED)[0]  # then again after the second loss: no node left
+    assert (requested.fields["held"], requested.fields["target"]) == (0, 1)
+    (added,) = h.of_kind(ev.SPARE_ADDED)
+    assert added.fields["node"] == "c5" and added.fields["spares"] == ["c5"]
+    assert at_of(h, requested) <= at_of(h, added) < 12.0  # the pool was whole before the next loss
+    first_done = h.of_kind(ev.MIGRATION_DONE)[0]
+    assert at_of(h, added) >= at_of(h, first_done), "a node joins between recoveries, never during one"
+    assert h.slurm.expansions == [("c5",), ()]  # the second request found no idle node
+    m = h.supervisor.membership
+    assert (m.active, m.spares, m.failed) == (("c1", "c4", "c5"), (), ("c2", "c3"))
+
+
+def test_a_refusal_is_logged_and_the_pool_asks_again_later(live: Live) -> None:
+    h, ranks = live(refill=True)
+    wait_thread(h)
+    h.world.go_silent("c2", at=3.0)
+    ranks.fail_collective("c1", at=3.5)
+    h.world.at(10.0, lambda: h.slurm.idle.append("c5"))  # a node comes free
+
+    result = h.run()
+
+    assert result.state == RunState.SUCCEEDED
+    refused = h.of_kind(ev.SPARE_REFUSED)
+    assert refused and "Unable to allocate resources" in refused[0].fields["error"]
+    requests = [at_of(h, e) for e in h.of_kind(ev.SPARE_REQUESTED)]
+    assert all(b - a >= CONFIG.refill_retry for a, b in zip(requests, requests[1:], strict=False))
+    if h.slurm.expansions[-1]:  # the training may end before the retry
+        assert h.of_kind(ev.SPARE_ADDED)[0].fields["node"] == "c5"
+
+
+def test_with_an_allocation_prolog_the_pool_never_asks_and_says_why(live: Live) -> None:
+    h, ranks = live(refill=True)
+    h.slurm.idle = ["c5"]
+    h.slurm.prolog_flags = "Alloc,Contain"
+    h.world.go_silent("c2", at=3.0)
+    ranks.fail_collective("c1", at=3.5)
+
+    result = h.run()
+
+    assert result.state == RunState.SUCCEEDED
+    assert h.slurm.expansions == [] and not h.of_kind(ev.SPARE_REQUESTED)
+    (refused,) = h.of_kind(ev.SPARE_REFUSED)
+    assert "PrologFlags=Alloc,Contain" in refused.fields["error"]
+
+
+def test_without_refill_nothing_is_asked(live: Live) -> None:
+    h, ranks = live()
+    h.slurm.idle = ["c5"]
+    h.world.go_silent("c2", at=3.0)
+    ranks.fail_collective("c1", at=3.5)
+
+    assert h.run().state == RunState.SUCCEEDED
+    assert h.slurm.expansions == [] and not h.of_kind(ev.SPARE_REQUESTED)

@@ -1,0 +1,161 @@
+"""The spare pool refills: when a spare was used, Slurm is asked for a node to replace it.
+
+A job reserves S spares. Each live migration promotes one, a spare that dies
+on standby is dropped, and without refills the job survives S node losses and
+no more. :class:`SparePool` keeps the pool at S for the job's whole life:
+
+* **When.** Every loop pass, while the job runs: when the spares held, the
+  nodes being asked for and the nodes granted but not joined yet are fewer
+  than S, one more node is asked for. After a refusal the next request waits
+  :attr:`~torchpass_slurm.config.SupervisorConfig.refill_retry` seconds.
+* **How.** Job expansion (``SlurmBackend.expand_job``): a one-node allocation
+  that depends on ``expand:JOB`` is merged into the running job, on a thread
+  of the pool's own (``salloc`` waits up to ``refill_wait`` s for a node; the
+  loop never waits on it). Slurm must permit it
+  (``SchedulerParameters=permit_job_expansion``). A prolog that runs at
+  allocation (``PrologFlags=Alloc``) is never run for the merged node on
+  Slurm 24.11, whose first step then fails: with that flag the pool does not
+  ask, and says why once.
+* **Joining.** A granted node joins as a spare between recoveries (never
+  while one is in flight, whose plan fixed the membership): the loop takes it
+  with :meth:`ready` and launches its standby step. A node the job lost and
+  that Slurm gives back (repaired and idle again) joins like any other: Slurm
+  allocates only nodes that passed its checks, and the prolog runs at the
+  node's first step.
+
+Every request and outcome is an event: ``spare_requested``, ``spare_added``
+(with the seconds from the request), ``spare_refused`` (with Slurm's words).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from torchpass_slurm import events as ev
+from torchpass_slurm.config import SupervisorConfig
+from torchpass_slurm.errors import SlurmError
+from torchpass_slurm.slurm import SlurmBackend
+from torchpass_slurm.slurm.cli_backend import EXPANSION_BLOCKER
+from torchpass_slurm.supervisor.state import Clock, JobState, RunState
+
+__all__ = ["SparePool", "Granted"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Granted:
+    """A node Slurm merged into the job, waiting to join as a spare."""
+
+    node: str
+    requested_at: float  # monotonic
+
+
+class SparePool:
+    """Asks Slurm for nodes until the job holds ``target`` spares again; see the module docstring."""
+
+    def __init__(
+        self,
+        job: JobState,
+        *,
+        slurm: SlurmBackend,
+        events: ev.EventLog,
+        config: SupervisorConfig,
+        clock: Clock,
+        target: int,
+    ) -> None:
+        self.job, self.slurm, self.events, self.config, self.clock = job, slurm, events, config, clock
+        self.target = target
+        #: requests in flight on the pool's thread
+        self.asking = 0
+        self._granted: list[Granted] = []
+        self._outcomes: queue.SimpleQueue[tuple[float, tuple[str, ...] | None, str]] = queue.SimpleQueue()
+        self._next_try = 0.0
+        self._blocked: str | None = None  # why the pool never asks (set once, said once)
+        self._checked = False
+        self._closing = threading.Event()
+
+    @property
+    def granted(self) -> int:
+        return len(self._granted)
+
+    def check(self) -> None:
+        """Collect what Slurm answered, and ask again while the pool is short (the loop's thread)."""
+        self._collect()
+        if self.target <= 0 or self.job.state not in (RunState.RUNNING, RunState.RECOVERING):
+            return
+        short = self.target - len(self.job.membership.spares) - self.asking - len(self._granted)
+        now = self.clock.monotonic()
+        if short <= 0 or now < self._next_try or self._is_blocked():
+            return
+        self.asking += 1
+        self.events.append(ev.SPARE_REQUESTED, held=len(self.job.membership.spares), target=self.target)
+        thread = threading.Thread(target=self._ask, args=(now,), name="torchpass-refill", daemon=True)
+        thread.start()
+
+    def ready(self) -> list[Granted]:
+        """Nodes to join now: every granted node, once no recovery is in flight."""
+        if self.job.migration is not None or self.job.state != RunState.RUNNING:
+            return []
+        taken, self._granted = self._granted, []
+        return taken
+
+    def close(self) -> None:
+        """No more requests; a grant that arrives later is logged and left to the job's end."""
+        self._closing.set()
+
+    # -- Slurm, on the pool's thread --------------------------------------------------
+    def _ask(self, requested_at: float) -> None:
+        try:
+            # never a node the job gave back as drained (maintenance, a bad health check)
+            exclude = sorted(self.job.released)
+            nodes = self.slurm.expand_job(
+                self.job.job_id, wait_s=round(self.config.refill_wait), exclude=exclude
+            )
+            self._outcomes.put((requested_at, nodes, ""))
+        except SlurmError as err:
+            self._outcomes.put((requested_at, None, str(err)))
+        except Exception as err:  # deliberately broad: the thread must report, not die silently
+            logger.exception("asking Slurm for a spare failed")
+            self._outcomes.put((requested_at, None, repr(err)))
+
+    def _collect(self) -> None:
+        while True:
+            try:
+                requested_at, nodes, error = self._outcomes.get_nowait()
+            except queue.Empty:
+                return
+            self.asking -= 1
+            waited = round(self.clock.monotonic() - requested_at, 3)
+            if nodes is None:
+                self._next_try = self.clock.monotonic() + self.config.refill_retry
+                self.events.append(ev.SPARE_REFUSED, error=error[:500], seconds=waited)
+                logger.warning("Slurm gave no spare (again in %.0f s): %s", self.config.refill_retry, error)
+                continue
+            for node in nodes:
+                self._granted.append(Granted(node, requested_at))
+
+    def _is_blocked(self) -> bool:
+        if not self._checked:
+            self._checked = True
+            try:
+                flags = self.slurm.config_value("PrologFlags") or ""
+            except SlurmError as err:
+                flags = ""
+                logger.info("could not read PrologFlags (%s): asking for spares anyway", err)
+            if EXPANSION_BLOCKER in [f.strip() for f in flags.split(",")]:
+                self._blocked = (
+                    f"PrologFlags={flags}: a node merged into a running job never runs the allocation "
+                    "prolog and its first step fails; the spare pool does not refill on this cluster"
+                )
+                self.events.append(ev.SPARE_REFUSED, error=self._blocked, seconds=0.0)
+                logger.warning("%s", self._blocked)
+        return self._blocked is not None
+
+
+def waited_s(granted: Granted, clock: Clock) -> float:
+    """Seconds from the request of ``granted`` to now."""
+    return round(clock.monotonic() - granted.requested_at, 3)
