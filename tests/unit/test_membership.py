@@ -83,6 +83,17 @@ def test_drop_spare(m0: Membership) -> None:
         m1.drop_spare("n1")
 
 
+def test_with_spare_refills_the_pool_in_the_same_epoch(m0: Membership) -> None:
+    m1 = m0.replace("n2")  # s1 takes n2's slot
+    m2 = m1.with_spare("x9")
+    assert (m2.epoch, m2.active, m2.spares, m2.failed) == (m1.epoch, m1.active, ("s2", "x9"), ("n2",))
+    repaired = m2.with_spare("n2")  # a lost node Slurm gave back leaves "failed"
+    assert (repaired.spares, repaired.failed) == (("s2", "x9", "n2"), ())
+    for taken in ("n1", "s2"):
+        with pytest.raises(MembershipError, match="cannot join as a spare"):
+            m2.with_spare(taken)
+
+
 def test_initial_needs_enough_nodes() -> None:
     with pytest.raises(ConfigError, match="2 node"):
         Membership.initial(["a", "b"], n_active=3, ntasks_per_node=1)
