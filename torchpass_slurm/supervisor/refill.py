@@ -72,10 +72,13 @@ class SparePool:
         #: requests in flight on the pool's thread
         self.asking = 0
         self._granted: list[Granted] = []
-        self._outcomes: queue.SimpleQueue[tuple[float, tuple[str, ...] | None, str]] = queue.SimpleQueue()
+        #: (requested at, the nodes or None, Slurm's error, whether the cluster rules refills out)
+        self._outcomes: queue.SimpleQueue[tuple[float, tuple[str, ...] | None, str, bool]] = (
+            queue.SimpleQueue()
+        )
         self._next_try = 0.0
-        self._blocked: str | None = None  # why the pool never asks (set once, said once)
-        self._checked = False
+        self._blocked: str | None = None  # why the pool never asks again (said once)
+        self._checked = False  # PrologFlags read (on the pool's thread)
         self._closing = threading.Event()
 
     @property
@@ -89,7 +92,7 @@ class SparePool:
             return
         short = self.target - len(self.job.membership.spares) - self.asking - len(self._granted)
         now = self.clock.monotonic()
-        if short <= 0 or now < self._next_try or self._is_blocked():
+        if short <= 0 or now < self._next_try or self._blocked is not None:
             return
         self.asking += 1
         self.events.append(ev.SPARE_REQUESTED, held=len(self.job.membership.spares), target=self.target)
@@ -110,50 +113,57 @@ class SparePool:
     # -- Slurm, on the pool's thread --------------------------------------------------
     def _ask(self, requested_at: float) -> None:
         try:
+            blocker = self._blocker()
+            if blocker is not None:
+                self._outcomes.put((requested_at, None, blocker, True))
+                return
             # never a node the job gave back as drained (maintenance, a bad health check)
             exclude = sorted(self.job.released)
             nodes = self.slurm.expand_job(
                 self.job.job_id, wait_s=round(self.config.refill_wait), exclude=exclude
             )
-            self._outcomes.put((requested_at, nodes, ""))
+            self._outcomes.put((requested_at, nodes, "", False))
         except SlurmError as err:
-            self._outcomes.put((requested_at, None, str(err)))
+            self._outcomes.put((requested_at, None, str(err), False))
         except Exception as err:  # deliberately broad: the thread must report, not die silently
             logger.exception("asking Slurm for a spare failed")
-            self._outcomes.put((requested_at, None, repr(err)))
+            self._outcomes.put((requested_at, None, repr(err), False))
+
+    def _blocker(self) -> str | None:
+        """Why this cluster cannot refill (read once, on the first request), or None."""
+        if self._checked:
+            return None
+        self._checked = True
+        try:
+            flags = self.slurm.config_value("PrologFlags") or ""
+        except SlurmError as err:
+            logger.info("could not read PrologFlags (%s): asking for spares anyway", err)
+            return None
+        if EXPANSION_BLOCKER not in [f.strip() for f in flags.split(",")]:
+            return None
+        return (
+            f"PrologFlags={flags}: a node merged into a running job never runs the allocation "
+            "prolog and its first step fails; the spare pool does not refill on this cluster"
+        )
 
     def _collect(self) -> None:
         while True:
             try:
-                requested_at, nodes, error = self._outcomes.get_nowait()
+                requested_at, nodes, error, blocked = self._outcomes.get_nowait()
             except queue.Empty:
                 return
             self.asking -= 1
             waited = round(self.clock.monotonic() - requested_at, 3)
-            if nodes is None:
+            if blocked:
+                self._blocked = error
+                self.events.append(ev.SPARE_REFUSED, error=error, seconds=0.0)
+                logger.warning("%s", error)
+            elif nodes is None:
                 self._next_try = self.clock.monotonic() + self.config.refill_retry
                 self.events.append(ev.SPARE_REFUSED, error=error[:500], seconds=waited)
                 logger.warning("Slurm gave no spare (again in %.0f s): %s", self.config.refill_retry, error)
-                continue
-            for node in nodes:
-                self._granted.append(Granted(node, requested_at))
-
-    def _is_blocked(self) -> bool:
-        if not self._checked:
-            self._checked = True
-            try:
-                flags = self.slurm.config_value("PrologFlags") or ""
-            except SlurmError as err:
-                flags = ""
-                logger.info("could not read PrologFlags (%s): asking for spares anyway", err)
-            if EXPANSION_BLOCKER in [f.strip() for f in flags.split(",")]:
-                self._blocked = (
-                    f"PrologFlags={flags}: a node merged into a running job never runs the allocation "
-                    "prolog and its first step fails; the spare pool does not refill on this cluster"
-                )
-                self.events.append(ev.SPARE_REFUSED, error=self._blocked, seconds=0.0)
-                logger.warning("%s", self._blocked)
-        return self._blocked is not None
+            else:
+                self._granted.extend(Granted(node, requested_at) for node in nodes)
 
 
 def waited_s(granted: Granted, clock: Clock) -> float:
