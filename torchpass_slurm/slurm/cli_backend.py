@@ -40,6 +40,9 @@ _GRANTED = re.compile(r"Granted job allocation (\d+)")
 #: "Job prolog failed", and the node is drained (measured on the dev cluster).
 EXPANSION_BLOCKER = "Alloc"
 
+#: What makes the SPANK plugin add spares to a request; a refill's salloc must not carry it.
+_SPARES_ENV = ("TORCHPASS_SPARES", "SPANK_TORCHPASS_SPARES")
+
 _JOB_GONE_HINT = (
     "the job may have ended and been purged from slurmctld (MinJobAge); "
     "`sacct -j {job_id}` shows its accounting record."
@@ -237,7 +240,10 @@ class CliSlurm:
             argv.append(f"--partition={job.partition}")
         if avoid:
             argv.append(f"--exclude={hostlist.compress(avoid)}")
-        result = self.runner.run(argv, timeout=wait_s + 30)
+        # Not the job's own spares: the SPANK plugin would turn this one node into 1 + S
+        # (measured: salloc inherited TORCHPASS_SPARES from the job and asked for 2 nodes).
+        env = {k: v for k, v in os.environ.items() if k not in _SPARES_ENV}
+        result = self.runner.run(argv, env=env, timeout=wait_s + 30)
         granted = _GRANTED.search(result.stderr + result.stdout)
         if granted is None:
             raise SlurmError(

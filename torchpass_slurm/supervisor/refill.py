@@ -19,9 +19,11 @@ no more. :class:`SparePool` keeps the pool at S for the job's whole life:
 * **Joining.** A granted node joins as a spare between recoveries (never
   while one is in flight, whose plan fixed the membership): the loop takes it
   with :meth:`ready` and launches its standby step. A node the job lost and
-  that Slurm gives back (repaired and idle again) joins like any other: Slurm
-  allocates only nodes that passed its checks, and the prolog runs at the
-  node's first step.
+  that Slurm gives back (repaired and idle again) joins like any other, but
+  not within ``SlurmdTimeout`` of its loss: until then Slurm may still call a
+  dead node idle and grant it (measured: a node powered off 2 s earlier was
+  granted, and its standby step died). The prolog runs at the node's first
+  step.
 
 Every request and outcome is an event: ``spare_requested``, ``spare_added``
 (with the seconds from the request), ``spare_refused`` (with Slurm's words).
@@ -41,7 +43,10 @@ from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.slurm.cli_backend import EXPANSION_BLOCKER
 from torchpass_slurm.supervisor.state import Clock, JobState, RunState
 
-__all__ = ["SparePool", "Granted"]
+__all__ = ["SparePool", "Granted", "DEFAULT_SLURMD_TIMEOUT_S"]
+
+#: Slurm's default SlurmdTimeout, used when slurmctld's cannot be read.
+DEFAULT_SLURMD_TIMEOUT_S = 300.0
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +84,10 @@ class SparePool:
         self._next_try = 0.0
         self._blocked: str | None = None  # why the pool never asks again (said once)
         self._checked = False  # PrologFlags read (on the pool's thread)
+        #: when each node the job lost was first seen lost (monotonic)
+        self._lost: dict[str, float] = {}
+        #: Slurm's SlurmdTimeout: how long a dead node may still look idle to it (read once)
+        self._slurmd_timeout = DEFAULT_SLURMD_TIMEOUT_S
         self._closing = threading.Event()
 
     @property
@@ -88,6 +97,8 @@ class SparePool:
     def check(self) -> None:
         """Collect what Slurm answered, and ask again while the pool is short (the loop's thread)."""
         self._collect()
+        for node in self.job.membership.failed:
+            self._lost.setdefault(node, self.clock.monotonic())
         if self.target <= 0 or self.job.state not in (RunState.RUNNING, RunState.RECOVERING):
             return
         short = self.target - len(self.job.membership.spares) - self.asking - len(self._granted)
@@ -96,7 +107,8 @@ class SparePool:
             return
         self.asking += 1
         self.events.append(ev.SPARE_REQUESTED, held=len(self.job.membership.spares), target=self.target)
-        thread = threading.Thread(target=self._ask, args=(now,), name="torchpass-refill", daemon=True)
+        lost = dict(self._lost)
+        thread = threading.Thread(target=self._ask, args=(now, lost), name="torchpass-refill", daemon=True)
         thread.start()
 
     def ready(self) -> list[Granted]:
@@ -111,14 +123,16 @@ class SparePool:
         self._closing.set()
 
     # -- Slurm, on the pool's thread --------------------------------------------------
-    def _ask(self, requested_at: float) -> None:
+    def _ask(self, requested_at: float, lost: dict[str, float]) -> None:
         try:
             blocker = self._blocker()
             if blocker is not None:
                 self._outcomes.put((requested_at, None, blocker, True))
                 return
-            # never a node the job gave back as drained (maintenance, a bad health check)
-            exclude = sorted(self.job.released)
+            # never a node the job gave back as drained (maintenance, a bad health check), nor
+            # one it lost so recently that Slurm may not know yet that it is dead
+            recent = {n for n, at in lost.items() if requested_at - at < self._slurmd_timeout}
+            exclude = sorted(set(self.job.released) | recent)
             nodes = self.slurm.expand_job(
                 self.job.job_id, wait_s=round(self.config.refill_wait), exclude=exclude
             )
@@ -136,9 +150,13 @@ class SparePool:
         self._checked = True
         try:
             flags = self.slurm.config_value("PrologFlags") or ""
+            timeout = self.slurm.config_value("SlurmdTimeout") or ""
         except SlurmError as err:
-            logger.info("could not read PrologFlags (%s): asking for spares anyway", err)
+            logger.info("could not read slurmctld's settings (%s): asking for spares anyway", err)
             return None
+        seconds = timeout.split()[0] if timeout else ""
+        if seconds.isdigit():
+            self._slurmd_timeout = float(seconds)
         if EXPANSION_BLOCKER not in [f.strip() for f in flags.split(",")]:
             return None
         return (

@@ -22,7 +22,7 @@ JOB_ID = 4242
 #: Small timings, so that every scenario plays out in well under a minute of virtual time.
 CONFIG = SupervisorConfig(heartbeat_interval=0.5, heartbeat_timeout=5, fault_settle=2,
                           silence_threshold=1.5, slurm_poll_interval=1, startup_timeout=10,
-                          stop_timeout=1, lost_stop_timeout=0.5)
+                          stop_timeout=1, lost_stop_timeout=0.5, refill_retry=2)
 
 
 @dataclass

@@ -153,6 +153,7 @@ class FakeSlurm:
         #: nodes job expansion can give (the cluster's idle ones), and slurmctld's PrologFlags
         self.idle: list[str] = []
         self.prolog_flags = ""
+        self.slurmd_timeout = "300 sec"
         self.expansions: list[tuple[str, ...]] = []  # nodes each expand_job() gave (or () refused)
 
     def set_node(self, name: str, state: str = "ALLOCATED", *flags: str, reason: str | None = None) -> None:
@@ -192,7 +193,7 @@ class FakeSlurm:
         return (free[0],)
 
     def config_value(self, key: str) -> str | None:
-        return self.prolog_flags if key == "PrologFlags" else None
+        return {"PrologFlags": self.prolog_flags, "SlurmdTimeout": self.slurmd_timeout}.get(key)
 
     def launch_step(self, command: Sequence[str], *, node: str, job_id: int | None = None,
                     ntasks: int = 1, job_name: str | None = None, extra_args: Sequence[str] = (),

@@ -42,7 +42,7 @@ def test_two_losses_on_one_spare_are_both_live_when_slurm_refills_the_pool(live:
     assert at_of(h, requested) <= at_of(h, added) < 12.0  # the pool was whole before the next loss
     first_done = h.of_kind(ev.MIGRATION_DONE)[0]
     assert at_of(h, added) >= at_of(h, first_done), "a node joins between recoveries, never during one"
-    assert h.slurm.expansions == [("c5",), ()]  # the second request found no idle node
+    assert h.slurm.expansions[0] == ("c5",) and not any(h.slurm.expansions[1:])  # no idle node left
     m = h.supervisor.membership
     assert (m.active, m.spares, m.failed) == (("c1", "c4", "c5"), (), ("c2", "c3"))
 
@@ -89,3 +89,28 @@ def test_without_refill_nothing_is_asked(live: Live) -> None:
 
     assert h.run().state == RunState.SUCCEEDED
     assert h.slurm.expansions == [] and not h.of_kind(ev.SPARE_REQUESTED)
+
+
+def test_a_lost_node_is_not_asked_back_before_slurm_can_know_it_is_dead(live: Live) -> None:
+    """Until SlurmdTimeout after a loss Slurm may call a dead node idle; a repaired node after."""
+    h, ranks = live(refill=True)
+    wait_thread(h)
+    h.slurm.slurmd_timeout = "6 sec"
+    h.world.go_silent("c2", at=3.0)
+    ranks.fail_collective("c1", at=3.5)
+    def repaired() -> None:  # powered on again, idle in Slurm's eyes
+        h.world.silent.discard("c2")
+
+    h.world.at(8.0, repaired)
+    h.world.at(4.0, lambda: h.slurm.idle.append("c2"))  # idle to Slurm already: it has not noticed
+
+    result = h.run()
+
+    assert result.state == RunState.SUCCEEDED
+    (lost,) = h.of_kind(ev.HEARTBEAT_LOST)
+    (added,) = h.of_kind(ev.SPARE_ADDED)
+    assert added.fields["node"] == "c2"
+    assert at_of(h, added) >= at_of(h, lost) + 6.0
+    assert h.of_kind(ev.SPARE_REFUSED), "the first request excluded c2 and found nothing"
+    m = h.supervisor.membership
+    assert (m.spares, m.failed) == (("c2",), ())
