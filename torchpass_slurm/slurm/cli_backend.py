@@ -190,12 +190,14 @@ class CliSlurm:
         job_name: str | None = None,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        unset_env: Sequence[str] = (),
     ) -> subprocess.Popen[bytes]:
-        """Start one ``srun --no-kill`` step on ``node``; return its process at once."""
+        """Start one ``srun --no-kill`` step on ``node``; return its process at once. ``unset_env``
+        names variables of this process's environment the step must not inherit."""
         argv = srun_argv(
             command, node=node, job_id=job_id, ntasks=ntasks, job_name=job_name, extra_args=extra_args
         )
-        return self.runner.spawn(argv, env=step_env(os.environ, env))
+        return self.runner.spawn(argv, env=step_env(os.environ, env, unset_env))
 
     def drain(self, node: str, reason: str) -> None:
         """Drain ``node``: running work stays, nothing new starts. ``reason`` is required."""

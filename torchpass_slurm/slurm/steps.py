@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-__all__ = ["srun_argv", "step_env"]
+__all__ = ["srun_argv", "step_env", "EXPANDED_NODE_UNSET"]
 
 #: Environment variables that must not reach srun (see the module docstring).
 UNSAFE_STEP_ENV = ("SLURM_NO_KILL",)
+#: Not for a step on a node merged into the job by expansion (a spare refill): with any
+#: cpus-per-task request, from the batch script's environment or the command line, such a
+#: step stays pending for good ("Requested nodes are busy"; measured on Slurm 24.11).
+EXPANDED_NODE_UNSET = ("SLURM_CPUS_PER_TASK", "SLURM_TRES_PER_TASK")
 
 
 def srun_argv(
@@ -47,10 +51,12 @@ def srun_argv(
     return argv
 
 
-def step_env(base: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``base`` plus ``extra``, without the variables that break srun."""
-    env = {k: v for k, v in base.items() if k not in UNSAFE_STEP_ENV}
+def step_env(
+    base: Mapping[str, str], extra: Mapping[str, str] | None = None, unset: Sequence[str] = ()
+) -> dict[str, str]:
+    """``base`` plus ``extra``, without the variables that break srun nor those in ``unset``."""
+    env = dict(base)
     env.update(extra or {})
-    for key in UNSAFE_STEP_ENV:
+    for key in (*UNSAFE_STEP_ENV, *unset):
         env.pop(key, None)
     return env

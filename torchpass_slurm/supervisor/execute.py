@@ -94,6 +94,7 @@ class Executor:
         """A node Slurm gave the job joins the spare pool: its standby step starts (a refill)."""
         new = self.job.membership.with_spare(node)
         self.change_membership(new)
+        self.launcher.expanded.add(node)
         self.job.steps[node] = self.launcher.launch(node, new)
         self.events.append(ev.SPARE_ADDED, node=node, seconds=waited, spares=list(new.spares))
         logger.info("%s joined the spare pool, %.1f s after it was asked for", node, waited)

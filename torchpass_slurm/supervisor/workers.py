@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from torchpass_slurm import config as cfg
 from torchpass_slurm.phase import Phase
 from torchpass_slurm.slurm import SlurmBackend
+from torchpass_slurm.slurm.steps import EXPANDED_NODE_UNSET
 from torchpass_slurm.strenum import StrEnum
 from torchpass_slurm.supervisor.membership import Membership
 
@@ -228,6 +229,9 @@ class StepLauncher:
         )
         #: lost steps told to stop: (step, when its srun is killed if it is still there)
         self._kill_at: list[tuple[WorkerStep, float]] = []
+        #: nodes merged into the job by expansion (spare refills): their steps are launched
+        #: without a cpus-per-task request (``EXPANDED_NODE_UNSET``)
+        self.expanded: set[str] = set()
 
     def launch(self, node: str, membership: Membership) -> WorkerStep:
         role = membership.role_of(node)
@@ -260,6 +264,7 @@ class StepLauncher:
             job_name=f"tp-{role}-{node}-e{membership.epoch}",
             extra_args=("--kill-on-bad-exit=0", *self.step_args),
             env=env,
+            unset_env=EXPANDED_NODE_UNSET if node in self.expanded else (),
         )
         logger.info("launched %s step on %s (epoch %d, pid %d)", role, node, membership.epoch, process.pid)
         return WorkerStep(

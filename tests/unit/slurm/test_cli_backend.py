@@ -236,3 +236,11 @@ def test_config_value_reads_one_setting(fake_runner: FakeRunner) -> None:
     slurm = make(fake_runner)
     assert slurm.config_value("PrologFlags") == "Alloc,Contain"
     assert slurm.config_value("NoSuchKey") is None
+
+
+def test_step_env_drops_what_a_step_on_a_merged_node_must_not_inherit() -> None:
+    from torchpass_slurm.slurm.steps import EXPANDED_NODE_UNSET
+
+    base = {"SLURM_CPUS_PER_TASK": "1", "SLURM_TRES_PER_TASK": "cpu=1", "SLURM_JOB_ID": "7"}
+    assert step_env(base, {"X": "1"}, EXPANDED_NODE_UNSET) == {"SLURM_JOB_ID": "7", "X": "1"}
+    assert step_env(base, {"X": "1"}) == {**base, "X": "1"}

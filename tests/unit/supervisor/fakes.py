@@ -155,6 +155,7 @@ class FakeSlurm:
         self.prolog_flags = ""
         self.slurmd_timeout = "300 sec"
         self.expansions: list[tuple[str, ...]] = []  # nodes each expand_job() gave (or () refused)
+        self.unset_env: dict[str, tuple[str, ...]] = {}  # node -> unset_env of its last launch
 
     def set_node(self, name: str, state: str = "ALLOCATED", *flags: str, reason: str | None = None) -> None:
         self.node_states[name] = Node(name, state, frozenset(flags), reason)
@@ -197,7 +198,8 @@ class FakeSlurm:
 
     def launch_step(self, command: Sequence[str], *, node: str, job_id: int | None = None,
                     ntasks: int = 1, job_name: str | None = None, extra_args: Sequence[str] = (),
-                    env: Mapping[str, str] | None = None) -> FakeProcess:
+                    env: Mapping[str, str] | None = None, unset_env: Sequence[str] = ()) -> FakeProcess:
+        self.unset_env[node] = tuple(unset_env)
         process = FakeProcess(self.clock, ignores_sigterm=node in self.hang_on_stop)
         launch = Launch(node, dict(env or {}), ntasks, process)
         self.launches.append(launch)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from torchpass_slurm import events as ev
+from torchpass_slurm.slurm.steps import EXPANDED_NODE_UNSET
 from torchpass_slurm.supervisor.loop import RunState
 
 from .conftest import CONFIG, Harness, Live, at_of
@@ -45,6 +46,8 @@ def test_two_losses_on_one_spare_are_both_live_when_slurm_refills_the_pool(live:
     assert h.slurm.expansions[0] == ("c5",) and not any(h.slurm.expansions[1:])  # no idle node left
     m = h.supervisor.membership
     assert (m.active, m.spares, m.failed) == (("c1", "c4", "c5"), (), ("c2", "c3"))
+    # a merged node's steps ask for no cpus-per-task (Slurm would leave them pending for good)
+    assert (h.slurm.unset_env["c5"], h.slurm.unset_env["c1"]) == (EXPANDED_NODE_UNSET, ())
 
 
 def test_a_refusal_is_logged_and_the_pool_asks_again_later(live: Live) -> None:
