@@ -1,0 +1,74 @@
+"""The spare pool refills on the real cluster: one spare carries a job through three node losses.
+
+A job of 3 active nodes and 1 spare on the 5-node cluster. Three times in a
+row an active node is powered off and, once the job moved off it, powered on
+again, as a site repairs a node. Each loss is a live migration onto the
+spare; after each, ``tp run`` asks Slurm for a node by job expansion and
+starts a standby on it, so the pool is whole again before the next loss: the
+idle node first, then the first repaired one, which the pool asks back only
+``SlurmdTimeout`` (30 s here) after its loss. The final state is bitwise
+equal to the fault-free run's (the steps only sleep longer, which changes no
+number). ``TP_SPARE_POOL_KILLS`` runs more losses (the training is sized for
+three).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from scripts.devcluster import Cluster, wait_for
+from tests.cluster.jobs import TRAIN_ARGS, TpJob, active_victim, final_hash, submit
+
+pytestmark = pytest.mark.cluster
+
+KILLS = int(os.environ.get("TP_SPARE_POOL_KILLS", "3"))
+#: Slower steps than the other tests (the same 24 steps): room for the losses and refills.
+SLOW = (*TRAIN_ARGS[: TRAIN_ARGS.index("--step-sleep")], "--step-sleep", str(1.0 * KILLS))
+#: A refused request is asked again soon (a repaired node takes seconds to come back).
+ENV = {"TORCHPASS_REFILL_RETRY": "2", "TORCHPASS_REFILL_WAIT": "20"}
+
+
+def migrations(job: TpJob) -> list[dict]:
+    return [e for e in job.events() if e["kind"] == "migration_done"]
+
+
+def standby_spares(job: TpJob) -> list[str]:
+    return [n["node"] for n in job.status()["nodes"] if n["role"] == "spare" and n["state"] == "standby"]
+
+
+def test_one_spare_carries_the_job_through_three_node_losses_live(
+    healthy_cluster: Cluster, reference_hash: str
+) -> None:
+    c = healthy_cluster
+    job = submit(c, "-N", "3", "--spares", "1", train_args=SLOW, env=ENV)
+    job.wait_step(1)
+    killed: list[str] = []
+    for k in range(KILLS):
+        wait_for(lambda: len(standby_spares(job)) == 1, timeout=120, what="a spare on standby", interval=1)
+        victim = active_victim(c, job)
+        c.kill(victim)
+        killed.append(victim)
+        wait_for(lambda k=k: len(migrations(job)) > k, timeout=120, what=f"migration {k + 1} done", interval=1)
+        c.restart(victim)  # repaired: back to Slurm, and so to the pool
+    assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+
+    events = job.events()
+    done = migrations(job)
+    assert [(d["resolution"], d["lost_steps"]) for d in done] == [("live", 0)] * KILLS, done
+    assert not [e for e in events if e["kind"] == "restarted"]
+    added = [e for e in events if e["kind"] == "spare_added"]
+    assert len(added) >= KILLS - 1, [e for e in events if e["kind"].startswith("spare_")]
+    promoted = [e["node"] for e in events if e["kind"] == "spare_promoted"]
+    assert len(promoted) == KILLS and all(p in [a["node"] for a in added] for p in promoted[1:])
+    kills_at = [e["ts"] for e in events if e["kind"] == "migration_started"]
+    for a_next, joined in zip(kills_at[1:], added, strict=False):
+        assert joined["ts"] < a_next, "the pool was whole again before the next loss"
+    assert final_hash(job) == reference_hash
+    print(
+        "killed "
+        + ", ".join(killed)
+        + "; refills "
+        + ", ".join(f"{a['node']} in {a['seconds']:.1f} s" for a in added)
+    )
