@@ -15,7 +15,9 @@ no more. :class:`SparePool` keeps the pool at S for the job's whole life:
   (``SchedulerParameters=permit_job_expansion``). A prolog that runs at
   allocation (``PrologFlags=Alloc``) is never run for the merged node on
   Slurm 24.11, whose first step then fails: with that flag the pool does not
-  ask, and says why once.
+  ask, and says why once. Nor for a job of more than one task per node: its
+  step on a merged node stayed pending until the job ended, with or without
+  ``--exclusive`` on the request (Slurm 24.11; not understood yet).
 * **Joining.** A granted node joins as a spare between recoveries (never
   while one is in flight, whose plan fixed the membership): the loop takes it
   with :meth:`ready` and launches its standby step. A node the job lost and
@@ -104,6 +106,15 @@ class SparePool:
         short = self.target - len(self.job.membership.spares) - self.asking - len(self._granted)
         now = self.clock.monotonic()
         if short <= 0 or now < self._next_try or self._blocked is not None:
+            return
+        if self.job.membership.ntasks_per_node > 1:
+            self._blocked = (
+                f"{self.job.membership.ntasks_per_node} tasks per node: a step of more than one task "
+                "on a node merged into the job stays pending (Slurm 24.11, measured); the spare pool "
+                "refills only jobs of one task per node for now"
+            )
+            self.events.append(ev.SPARE_REFUSED, error=self._blocked, seconds=0.0)
+            logger.warning("%s", self._blocked)
             return
         self.asking += 1
         self.events.append(ev.SPARE_REQUESTED, held=len(self.job.membership.spares), target=self.target)

@@ -117,3 +117,15 @@ def test_a_lost_node_is_not_asked_back_before_slurm_can_know_it_is_dead(live: Li
     assert h.of_kind(ev.SPARE_REFUSED), "the first request excluded c2 and found nothing"
     m = h.supervisor.membership
     assert (m.spares, m.failed) == (("c2",), ())
+
+
+def test_a_job_of_several_tasks_per_node_is_not_refilled_and_says_why(live: Live) -> None:
+    h, ranks = live(refill=True, ntasks=2)
+    h.slurm.idle = ["c5"]
+    h.world.go_silent("c2", at=3.0)
+    ranks.fail_collective("c1", at=3.5)
+
+    assert h.run().state == RunState.SUCCEEDED
+    assert h.slurm.expansions == [] and not h.of_kind(ev.SPARE_REQUESTED)
+    (refused,) = h.of_kind(ev.SPARE_REFUSED)
+    assert "2 tasks per node" in refused.fields["error"]
