@@ -15,6 +15,14 @@ torch's stores do, and that thread's socket is replaced, so a late answer is
 never taken for the next request's. A forked child (a data loader worker)
 gets fresh sockets too.
 
+The store owns its sockets and closes them before its ZeroMQ context, when
+:meth:`JobStore.close` is called or when the store is collected. A context left
+to the garbage collector with a socket still open is a deadlock: the
+collector clears the context's weak references to its sockets before it
+calls the context's ``__del__``, whose ``term()`` then waits for sockets that
+it can no longer close, with the collection itself stuck for good (no more
+automatic collection in the process, and the thread that ran it hangs).
+
 Keep a reference to a JobStore for as long as torch uses it: a ``PrefixStore``
 or a process group built on it holds torch's C++ side only, and once the Python
 object is collected their calls fail ("Not implemented"). The rank keeps its
@@ -30,6 +38,7 @@ import itertools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 
 import torch.distributed as dist
@@ -80,6 +89,7 @@ class JobStore(dist.Store):
         self._lock = threading.Lock()
         self._pid = -1
         self._ctx: zmq.Context | None = None
+        self._sockets: list[zmq.Socket] = []  # every thread's, held here so that close() reaches them
         self._local = threading.local()
 
     # -- torch's Store interface -------------------------------------------------------------
@@ -115,8 +125,9 @@ class JobStore(dist.Store):
         """Close every socket of this process (the store object is unusable afterwards)."""
         with self._lock:
             ctx, self._ctx = self._ctx, None
-        if ctx is not None and self._pid == os.getpid():
-            ctx.destroy(linger=0)
+            sockets, self._sockets = self._sockets, []
+        if ctx is not None:
+            _release(ctx, sockets, self._pid)
 
     # -- one request ---------------------------------------------------------------------------
     def _call(self, op: Op, *args: bytes, wait: datetime.timedelta | None = None) -> list[bytes]:
@@ -152,7 +163,9 @@ class JobStore(dist.Store):
         with self._lock:
             if self._pid != os.getpid():  # first use, or a forked child: the parent's are not ours
                 self._pid, self._ctx, self._local = os.getpid(), zmq.Context(), threading.local()
-            ctx = self._ctx
+                self._sockets = []
+                weakref.finalize(self, _release, self._ctx, self._sockets, self._pid)
+            ctx, sockets = self._ctx, self._sockets
         if ctx is None:
             raise StoreUnavailable(f"the connection to the job's store at {self.endpoint} is closed")
         sock: zmq.Socket | None = getattr(self._local, "sock", None)
@@ -166,13 +179,30 @@ class JobStore(dist.Store):
             make_curve_client(sock, self._keys)
             sock.connect(self.endpoint)
             self._local.sock = sock
+            with self._lock:
+                sockets.append(sock)
         return sock
 
     def _drop_socket(self) -> None:
         sock = getattr(self._local, "sock", None)
         self._local.sock = None
         if sock is not None:
+            with self._lock:
+                if sock in self._sockets:
+                    self._sockets.remove(sock)
             sock.close(linger=0)
+
+
+def _release(ctx: zmq.Context, sockets: list[zmq.Socket], owner: int) -> None:
+    """Close ``sockets``, then ``ctx``, in the process that made them (a forked child leaves
+    its parent's alone: they are not its to close)."""
+    if os.getpid() != owner:
+        return
+    for sock in sockets:
+        sock.close(linger=0)
+    sockets.clear()
+    if not ctx.closed:
+        ctx.term()
 
 
 _WITH_PAYLOAD = {Op.GET, Op.ADD, Op.CHECK, Op.COMPARE_SET, Op.DELETE, Op.NUM_KEYS}

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import datetime
 import secrets
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -156,6 +159,44 @@ def test_many_threads_share_one_client(server: StoreServer) -> None:
         t.join(30)
     assert not errors
     assert store.add("total", 0) == 8 * 50
+
+
+# A store used from three threads, then dropped inside a reference cycle, the way a test or a
+# rank's torch objects drop it; the collection that frees it must end.
+_DROPPED_IN_A_CYCLE = textwrap.dedent("""
+    import datetime, gc, secrets, threading
+    from torchpass_slurm.control.store_server import StoreServer
+    from torchpass_slurm.rank.store import JobStore
+
+    secret = secrets.token_bytes(32)
+    server, stop = StoreServer(secret, "127.0.0.1"), threading.Event()
+    serving = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+    serving.start()
+    store = JobStore("127.0.0.1", server.port, secret, datetime.timedelta(seconds=5))
+    store.cycle = store
+    for n in range(3):
+        user = threading.Thread(target=store.set, args=(f"k{n}", b"v"))
+        user.start()
+        user.join()
+    store.set("main", b"v")
+    del store, user
+    gc.collect()
+    print("collected", flush=True)
+    stop.set()
+    serving.join()
+    server.close()
+""")
+
+
+def test_a_dropped_store_never_deadlocks_the_garbage_collector() -> None:
+    """A ZeroMQ context collected with a socket still open deadlocks the collector: it clears
+    the context's weak references to its sockets, then the context's ``__del__`` waits for them
+    to close. In CI this stopped every later collection and hung the store's own serving
+    thread (issue 22's landing failed on it); the store closes its sockets itself."""
+    done = subprocess.run(
+        [sys.executable, "-c", _DROPPED_IN_A_CYCLE], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0 and "collected" in done.stdout, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
