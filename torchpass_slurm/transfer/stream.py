@@ -30,17 +30,15 @@ flight (two staging buffers, reused); the receiver posts the receive of chunk
 i+1 before it verifies chunk i. A chunk that lies inside one contiguous CPU
 tensor is sent from / received into that tensor directly (no staging copy).
 
-Test hook: chunks listed in ``corrupt_chunks``, or in the environment
-variable ``TORCHPASS_TEST_CORRUPT_CHUNKS`` ("3,7"; read only by
-:func:`corrupt_chunks_from_env`), get one byte flipped after their digest was
-computed, on their first transmission only.
+Test hooks: chunks listed in ``corrupt_chunks`` get one byte flipped after
+their digest was computed, on their first transmission only; the environment
+can ask for that, and for a donor that stalls mid-stream (:mod:`.hooks`).
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -48,7 +46,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from torchpass_slurm.errors import ConfigError, TransferError
+from torchpass_slurm.errors import TransferError
 from torchpass_slurm.transfer.chunks import (
     FLAG_SEALED,
     ChunkMap,
@@ -57,6 +55,7 @@ from torchpass_slurm.transfer.chunks import (
     send_ints,
     unpack_header,
 )
+from torchpass_slurm.transfer.hooks import corrupt_chunks_from_env, take_stall
 from torchpass_slurm.transfer.manifest import Manifest, build_manifest, chunk_digest
 from torchpass_slurm.transfer.materialize import alloc_limit, check_allocation, materialize
 from torchpass_slurm.transfer.seal import MANIFEST_MAC_BYTES, SEALED_DIGEST, Seal, check_sealing
@@ -70,8 +69,6 @@ __all__ = [
     "recv_state",
     "ReceiveProgress",
     "TransferStats",
-    "corrupt_chunks_from_env",
-    "ENV_CORRUPT_CHUNKS",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_DIGEST",
     "MAX_RESEND_ROUNDS",
@@ -79,8 +76,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Test hook: comma-separated chunk indices a donor corrupts on their first send.
-ENV_CORRUPT_CHUNKS = "TORCHPASS_TEST_CORRUPT_CHUNKS"
 DEFAULT_CHUNK_BYTES = 4 << 20
 #: crc32 checksums at ~3.9 GB/s on this host, blake2b-128 at ~0.84 GB/s (slower than the wire).
 DEFAULT_DIGEST = "crc32"
@@ -123,20 +118,6 @@ class ReceiveProgress:
         return self.received - len(self.bad)
 
 
-def corrupt_chunks_from_env() -> frozenset[int]:
-    """The chunk indices in TORCHPASS_TEST_CORRUPT_CHUNKS (the one place it is read)."""
-    raw = os.environ.get(ENV_CORRUPT_CHUNKS, "").strip()
-    if not raw:
-        return frozenset()
-    try:
-        return frozenset(int(x) for x in raw.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(
-            f"{ENV_CORRUPT_CHUNKS}={raw!r} is not a comma-separated list of chunk indices",
-            hint="e.g. 3,7, or unset it",
-        ) from None
-
-
 # --- donor ------------------------------------------------------------------------------
 
 
@@ -173,7 +154,7 @@ def send_state(
     stats = TransferStats(resumed_from=start, manifest_bytes=len(raw))
     sender = _ChunkSender(transport, ChunkMap(manifest, tensors), timeout, stats, seal)
     corrupt = set(corrupt_chunks) | corrupt_chunks_from_env()
-    sender.send(range(start, manifest.n_chunks), corrupt)
+    sender.send(range(start, manifest.n_chunks), corrupt, take_stall())
     while True:
         bad = _recv_bad_list(transport, manifest.n_chunks, timeout)
         if not bad:
@@ -232,9 +213,14 @@ class _ChunkSender:
         self.staging = [torch.empty(n, dtype=torch.uint8) for _ in range(2)]
         self.digests = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
 
-    def send(self, indices: Iterable[int], corrupt: Collection[int]) -> None:
+    def send(
+        self, indices: Iterable[int], corrupt: Collection[int], stall: tuple[int, float] | None = None
+    ) -> None:
         inflight: deque[tuple[Handle, Handle]] = deque()
         for k, index in enumerate(indices):
+            if stall is not None and index == stall[0]:
+                logger.warning("test hook: waiting %.1f s before chunk %d", stall[1], index)
+                time.sleep(stall[1])
             while len(inflight) >= 2:  # the slot about to be reused must be free
                 _wait_both(inflight.popleft(), self.timeout)
             data = self._prepare(index, k % 2, index in corrupt)
