@@ -1,0 +1,109 @@
+"""A fault during a recovery stays live: the donor dies while it streams the state to the spare.
+
+A DDP job of 3 replicas and 2 spares, its supervisor on the service node (every training node
+can be lost). An active node is powered off; the spare that takes its rank receives the state
+from a surviving replica, the donor. Each donor waits before its second chunk
+(``TORCHPASS_TEST_STALL_CHUNK``, once per process), and in that wait the test kills the donor:
+its process, or its node. The second loss folds into the next epoch: the other spare takes the
+donor's rank, the last original replica streams the state to both spares (the first one resumes
+after the chunk it already holds), and the job completes live, bitwise equal to the fault-free
+run, with no survivor lost on the way.
+
+The training is larger than the other tests' (d_model 128, 4 layers: a state of several 4 MB
+chunks, so that "mid-stream" means chunks already moved), so it has its own fault-free run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+import pytest
+
+from scripts.devcluster import SERVICE_PARTITION, Cluster, wait_for
+from tests.cluster.jobs import TRAIN_ARGS, TpJob, final_hash, kill_rank, submit
+from tests.cluster.test_live_migration import assert_all_live
+
+pytestmark = pytest.mark.cluster
+
+#: The other tests' training with a state of several chunks.
+ARGS = (*TRAIN_ARGS[: TRAIN_ARGS.index("--d-model")], "--d-model", "128", "--n-layers", "4",
+        *TRAIN_ARGS[TRAIN_ARGS.index("--context"):])
+#: The donor waits this long before chunk 1: the test's window to kill it mid-stream.
+STALL_S = 8
+ENV = {"TORCHPASS_TEST_STALL_CHUNK": f"1:{STALL_S}"}
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: Cluster) -> str:
+    """The fault-free run of :data:`ARGS` (3 replicas)."""
+    cluster.ensure_healthy()
+    job = submit(cluster, "-N", "3", train_args=ARGS)
+    assert cluster.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+    return final_hash(job)
+
+
+def events(job: TpJob) -> list[dict]:
+    """The event log read on the host: quicker than ``tp events``, for a kill on cue."""
+    try:
+        text = (job.host_run_dir / "events.jsonl").read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def rank_nodes(job: TpJob) -> dict[int, str]:
+    return {r: n["node"] for n in job.status()["nodes"] if n["role"] == "active" for r in n["ranks"]}
+
+
+def kill_the_donor_mid_stream(c: Cluster, job: TpJob, kill: Callable[[str], None]) -> tuple[str, str]:
+    """Power off rank 2's node, then ``kill`` the node of the donor that streams to its spare,
+    while it waits before chunk 1. The two nodes."""
+    job.wait_step(4)
+    nodes = rank_nodes(job)
+    victim = nodes[2]
+    c.kill(victim)
+    agreement = wait_for(lambda: next((e for e in events(job) if e["kind"] == "agreement"), None),
+                         timeout=60, what="the recovery's agreement", interval=0.1)
+    assert agreement["receivers"] == [2], agreement
+    donor = nodes[agreement["donors"][0]]
+    time.sleep(1)  # the manifest and chunk 0 are through: the donor is mid-stream
+    assert time.time() - agreement["ts"] < STALL_S - 2, "too late for the donor's stall"
+    kill(donor)
+    return victim, donor
+
+
+def check(c: Cluster, job: TpJob, reference: str, victim: str, donor: str) -> None:
+    assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+    log = events(job)
+    promoted = [e["replaces"] for e in log if e["kind"] == "spare_promoted"]
+    assert promoted == [victim, donor], promoted  # the third replica never left
+    transfers = [e for e in log if e["kind"] == "transfer_done"]
+    assert all(t["sealed"] for t in transfers), transfers
+    assert any(t["resumed_from"] >= 1 for t in transfers), \
+        f"no transfer resumed after the chunks the dead donor had sent: {transfers}"
+    # One recovery: the donor's loss folded into the next epoch, which replaced both nodes.
+    assert [sorted(d["failed"]) for d in log if d["kind"] == "migration_done"] == [sorted([victim, donor])]
+    assert_all_live(c, job, 2, recoveries=1)
+    assert final_hash(job) == reference
+
+
+def test_a_donor_whose_process_dies_mid_stream_is_replaced_and_the_move_stays_live(
+    healthy_cluster: Cluster, reference: str
+) -> None:
+    c = healthy_cluster
+    job = submit(c, "--supervisor-partition", SERVICE_PARTITION, "-N", "3", "--spares", "2",
+                 train_args=ARGS, env=ENV)
+    victim, donor = kill_the_donor_mid_stream(c, job, lambda node: kill_rank(c, node))
+    check(c, job, reference, victim, donor)
+
+
+def test_a_donor_whose_node_dies_mid_stream_is_replaced_and_the_move_stays_live(
+    healthy_cluster: Cluster, reference: str
+) -> None:
+    c = healthy_cluster
+    job = submit(c, "--supervisor-partition", SERVICE_PARTITION, "-N", "3", "--spares", "2",
+                 train_args=ARGS, env=ENV)
+    victim, donor = kill_the_donor_mid_stream(c, job, c.kill)
+    check(c, job, reference, victim, donor)
