@@ -7,7 +7,8 @@ from a surviving replica, the donor. Each donor waits before its second chunk
 its process, or its node. The second loss folds into the next epoch: the other spare takes the
 donor's rank, the last original replica streams the state to both spares (the first one resumes
 after the chunk it already holds), and the job completes live, bitwise equal to the fault-free
-run, with no survivor lost on the way.
+run, with no survivor lost on the way. The same holds when the second loss is the spare that
+receives (the next spare takes its rank) or the survivor waiting in the handover's barrier.
 
 The training is larger than the other tests' (d_model 128, 4 layers: a state of several 4 MB
 chunks, so that "mid-stream" means chunks already moved), so it has its own fault-free run.
@@ -57,53 +58,80 @@ def rank_nodes(job: TpJob) -> dict[int, str]:
     return {r: n["node"] for n in job.status()["nodes"] if n["role"] == "active" for r in n["ranks"]}
 
 
-def kill_the_donor_mid_stream(c: Cluster, job: TpJob, kill: Callable[[str], None]) -> tuple[str, str]:
-    """Power off rank 2's node, then ``kill`` the node of the donor that streams to its spare,
-    while it waits before chunk 1. The two nodes."""
+def kill_mid_stream(c: Cluster, job: TpJob, who: str, kill: Callable[[str], None]) -> tuple[str, str]:
+    """Power off rank 2's node, then, while the donor streaming to its spare waits before
+    chunk 1, ``kill`` the node of ``who``: the ``donor``, the ``receiver`` (the promoted
+    spare) or the ``bystander`` (the survivor outside the transfer, in the handover's
+    barrier). The two nodes."""
     job.wait_step(4)
     nodes = rank_nodes(job)
     victim = nodes[2]
     c.kill(victim)
     agreement = wait_for(lambda: next((e for e in events(job) if e["kind"] == "agreement"), None),
                          timeout=60, what="the recovery's agreement", interval=0.1)
-    assert agreement["receivers"] == [2], agreement
-    donor = nodes[agreement["donors"][0]]
+    assert agreement["receivers"] == [2] and agreement["donors"] == [0, 1], agreement
+    spare = next(e["node"] for e in events(job) if e["kind"] == "spare_promoted")
+    second = {"donor": nodes[0], "receiver": spare, "bystander": nodes[1]}[who]
     time.sleep(1)  # the manifest and chunk 0 are through: the donor is mid-stream
     assert time.time() - agreement["ts"] < STALL_S - 2, "too late for the donor's stall"
-    kill(donor)
-    return victim, donor
+    kill(second)
+    return victim, second
 
 
-def check(c: Cluster, job: TpJob, reference: str, victim: str, donor: str) -> None:
+def check(c: Cluster, job: TpJob, reference: str, victim: str, second: str, *, resumed: bool) -> None:
+    """The job completed live and bitwise equal; only ``victim`` and ``second`` were replaced,
+    in one recovery; with ``resumed``, the spare kept the chunks it had received."""
     assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
     log = events(job)
     promoted = [e["replaces"] for e in log if e["kind"] == "spare_promoted"]
-    assert promoted == [victim, donor], promoted  # the third replica never left
+    assert promoted == [victim, second], promoted  # no survivor was lost besides
     transfers = [e for e in log if e["kind"] == "transfer_done"]
-    assert all(t["sealed"] for t in transfers), transfers
-    assert any(t["resumed_from"] >= 1 for t in transfers), \
-        f"no transfer resumed after the chunks the dead donor had sent: {transfers}"
-    # One recovery: the donor's loss folded into the next epoch, which replaced both nodes.
-    assert [sorted(d["failed"]) for d in log if d["kind"] == "migration_done"] == [sorted([victim, donor])]
+    assert transfers and all(t["sealed"] for t in transfers), transfers
+    if resumed:
+        assert any(t["resumed_from"] >= 1 for t in transfers), \
+            f"no transfer resumed after the chunks the dead donor had sent: {transfers}"
+    # One recovery: the second loss folded into the next epoch, which replaced both nodes.
+    assert [sorted(d["failed"]) for d in log if d["kind"] == "migration_done"] == [sorted([victim, second])]
     assert_all_live(c, job, 2, recoveries=1)
     assert final_hash(job) == reference
+
+
+def submit_with_two_spares(c: Cluster) -> TpJob:
+    return submit(c, "--supervisor-partition", SERVICE_PARTITION, "-N", "3", "--spares", "2",
+                  train_args=ARGS, env=ENV)
 
 
 def test_a_donor_whose_process_dies_mid_stream_is_replaced_and_the_move_stays_live(
     healthy_cluster: Cluster, reference: str
 ) -> None:
     c = healthy_cluster
-    job = submit(c, "--supervisor-partition", SERVICE_PARTITION, "-N", "3", "--spares", "2",
-                 train_args=ARGS, env=ENV)
-    victim, donor = kill_the_donor_mid_stream(c, job, lambda node: kill_rank(c, node))
-    check(c, job, reference, victim, donor)
+    job = submit_with_two_spares(c)
+    victim, donor = kill_mid_stream(c, job, "donor", lambda node: kill_rank(c, node))
+    check(c, job, reference, victim, donor, resumed=True)
 
 
 def test_a_donor_whose_node_dies_mid_stream_is_replaced_and_the_move_stays_live(
     healthy_cluster: Cluster, reference: str
 ) -> None:
     c = healthy_cluster
-    job = submit(c, "--supervisor-partition", SERVICE_PARTITION, "-N", "3", "--spares", "2",
-                 train_args=ARGS, env=ENV)
-    victim, donor = kill_the_donor_mid_stream(c, job, c.kill)
-    check(c, job, reference, victim, donor)
+    job = submit_with_two_spares(c)
+    victim, donor = kill_mid_stream(c, job, "donor", c.kill)
+    check(c, job, reference, victim, donor, resumed=True)
+
+
+def test_a_spare_whose_node_dies_while_it_receives_is_replaced_by_the_next_spare(
+    healthy_cluster: Cluster, reference: str
+) -> None:
+    c = healthy_cluster
+    job = submit_with_two_spares(c)
+    victim, spare = kill_mid_stream(c, job, "receiver", c.kill)
+    check(c, job, reference, victim, spare, resumed=False)  # its chunks died with it
+
+
+def test_a_survivor_killed_in_the_handover_barrier_is_replaced_and_the_move_stays_live(
+    healthy_cluster: Cluster, reference: str
+) -> None:
+    c = healthy_cluster
+    job = submit_with_two_spares(c)
+    victim, bystander = kill_mid_stream(c, job, "bystander", lambda node: kill_rank(c, node))
+    check(c, job, reference, victim, bystander, resumed=True)
