@@ -86,7 +86,7 @@ DRAIN_SEEN = "drain_seen"  # an admin drain on a node of the job
 SPARE_PROMOTED = "spare_promoted"  # a spare took over a failed node's slot
 SPARE_LOST = "spare_lost"  # a spare died on standby
 SPARE_REQUESTED = "spare_requested"  # the pool is short: Slurm is asked for a node (held=, target=)
-SPARE_ADDED = "spare_added"  # a node Slurm gave joined as a spare (node=, seconds= since the request)
+SPARE_ADDED = "spare_added"  # a node joined as a spare (node=, seconds=, returned=: it lost only its rank)
 SPARE_REFUSED = "spare_refused"  # Slurm gave no node for the pool (error=, seconds=)
 RESTARTED = "restarted"  # fell back to checkpoint-restart
 FINISHED = "finished"  # the training ended well (exit_code=, restarts=, supervisor_cpu_s=, srun_cpu_s=)

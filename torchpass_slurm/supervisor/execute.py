@@ -90,14 +90,20 @@ class Executor:
         self.job.membership = new
         self.events.epoch = new.epoch
 
-    def add_spare(self, node: str, waited: float) -> None:
-        """A node Slurm gave the job joins the spare pool: its standby step starts (a refill)."""
+    def add_spare(self, node: str, waited: float, *, returned: bool = False) -> None:
+        """A node joins the spare pool: its standby step starts. Slurm gave it to the job (a
+        refill, ``waited`` s after it was asked for), or it is ``returned``: the job lost a rank
+        on it, not the node (``waited`` s ago)."""
         new = self.job.membership.with_spare(node)
         self.change_membership(new)
-        self.launcher.expanded.add(node)
+        if not returned:
+            self.launcher.expanded.add(node)
         self.job.steps[node] = self.launcher.launch(node, new)
-        self.events.append(ev.SPARE_ADDED, node=node, seconds=waited, spares=list(new.spares))
-        logger.info("%s joined the spare pool, %.1f s after it was asked for", node, waited)
+        self.events.append(
+            ev.SPARE_ADDED, node=node, seconds=waited, spares=list(new.spares), returned=returned
+        )
+        since = "its rank was lost" if returned else "it was asked for"
+        logger.info("%s joined the spare pool, %.1f s after %s", node, waited, since)
 
     # -- plans ------------------------------------------------------------------
     def execute(self, plan: Plan) -> None:

@@ -179,7 +179,9 @@ class Supervisor:
                 self.executor.allocation.collect()
                 self.pool.check()
                 for granted in self.pool.ready():
-                    self.executor.add_spare(granted.node, waited_s(granted, self.clock))
+                    self.executor.add_spare(
+                        granted.node, waited_s(granted, self.clock), returned=granted.returned
+                    )
                 faults = self.detectors.detect()
                 if faults:
                     self._recover(faults)
@@ -223,6 +225,9 @@ class Supervisor:
         plan = plan_recovery(faults, job.membership, workers, policy)
         logger.info("plan: %s for %s", plan.action, ", ".join(f"{f.detector} on {f.node}" for f in faults))
         self.executor.execute(plan)
+        if not job.state.ended:
+            for node in plan.returned:
+                self.pool.give_back(node)
 
     def _reap(self) -> None:
         """Steps that ended well: an active step's training finished, a drained node's step left."""

@@ -11,8 +11,9 @@ carries the plan out. The decision, for the faults of one detection::
                                     a surviving replica of every lost rank
     unplanned      active           as above, but a lost rank's every         restart on spares
                                     replica lost too (pure FSDP: always)      (fallback "no replica")
-    unplanned      active           enough spares (else: the lost steps       restart on spares
-                                    were crashes on nodes Slurm calls usable)  (restart in place)
+    unplanned      active           enough spares (else: every lost node      restart on spares
+                                    outlived its rank's fault, a crash or a   (restart in place)
+                                    hang, and Slurm calls it usable)
     unplanned      active           no spare, a node dead, or too many        give up
                                     in-place restarts
     unplanned      - (a collective failed and the settle blamed nobody)       regroup
@@ -26,6 +27,14 @@ carries the plan out. The decision, for the faults of one detection::
 
 A spare lost together with an active node is dropped by the same plan. A
 plan that changes the membership moves it to the next epoch, once.
+
+A lost node that outlived its rank's fault (:func:`outlived`: the process
+exited, or the rank hung while its node's heartbeats went on, and Slurm calls
+the node usable) is not released: a live migration or a restart on spares
+gives it back to the spare pool (``returned``), and with no spare left it is
+where the job restarts in place. A silent node is never given back (it may be
+cut off); with no spare left it is restarted on only when its rank froze
+(evidence ``progress`` or ``timeout``: its slurmd was not found unreachable).
 
 Replicas come from the job's device mesh (:class:`~torchpass_slurm.rank.layout.MeshLayout`,
 reported by sharded ranks; DDP is the mesh ``("replicate",)`` of the world). A planned or
@@ -41,6 +50,7 @@ from dataclasses import dataclass
 from torchpass_slurm.faults import (
     NODE_UNTRUSTED,
     Detector,
+    Evidence,
     Fault,
     FaultClass,
     Recovery,
@@ -50,12 +60,15 @@ from torchpass_slurm.rank.layout import MeshLayout
 from torchpass_slurm.strenum import StrEnum
 from torchpass_slurm.supervisor.membership import Membership
 
-__all__ = ["Action", "Plan", "Policy", "WorkerFacts", "plan_recovery", "NO_REPLICA"]
+__all__ = ["Action", "Plan", "Policy", "WorkerFacts", "plan_recovery", "outlived", "NO_REPLICA"]
 
 #: With no spare left, how often a job may restart in place (a crash that repeats is a bug).
 MAX_IN_PLACE_RESTARTS = 3
 #: The fallback of a live migration that could not be: a lost rank's state exists nowhere else.
 NO_REPLICA = "no replica"
+#: Evidence that a silent rank froze on a node that is up (the job stalled around it, or nothing
+#: confirmed a loss of the node: its slurmd was not found unreachable).
+FROZEN = frozenset({Evidence.PROGRESS, Evidence.TIMEOUT})
 
 
 class Action(StrEnum):
@@ -125,7 +138,8 @@ class Plan:
     move, ``promoted`` the spares that take them (in the same order),
     ``dropped`` the spares that leave the pool, ``release`` the nodes to take
     out of the allocation once the recovery has started, ``stop`` the nodes
-    whose lost steps are stopped first.
+    whose lost steps are stopped first, ``returned`` the lost nodes that rejoin the spare
+    pool once their old step has ended (:func:`outlived`).
     """
 
     action: Action
@@ -135,6 +149,7 @@ class Plan:
     promoted: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
     release: tuple[str, ...] = ()
+    returned: tuple[str, ...] = ()
     detail: str = ""
     exit_code: int = 1
     #: why a recovery that could have been live is not (:data:`NO_REPLICA`), else ""
@@ -170,6 +185,27 @@ def plan_recovery(
         return _plan_warning(faults[0], membership)
     return _plan_unplanned(
         tuple(f for f in faults if f.fault_class == FaultClass.UNPLANNED), membership, workers, policy
+    )
+
+
+def outlived(fault: Fault, workers: Mapping[str, WorkerFacts]) -> bool:
+    """``fault`` lost a rank, not its node: Slurm calls the node usable, and the rank's process
+    exited, or the rank hung while the node's heartbeats went on, or the node's local rank 0
+    found the process gone. Such a node can serve the job again."""
+    if not workers.get(fault.node, WorkerFacts()).usable:
+        return False
+    return fault.detector in (Detector.STEP_EXITED, Detector.RANK_HUNG) or (
+        fault.evidence == Evidence.LOCAL_REPORT
+    )
+
+
+def _restartable(fault: Fault, workers: Mapping[str, WorkerFacts]) -> bool:
+    """With no spare left, the job may restart in place on ``fault``'s node: it outlived the
+    fault, or its rank froze (:data:`FROZEN`) on a node Slurm calls usable."""
+    return outlived(fault, workers) or (
+        fault.detector == Detector.HEARTBEAT_LOST
+        and fault.evidence in FROZEN
+        and workers.get(fault.node, WorkerFacts()).usable
     )
 
 
@@ -211,6 +247,10 @@ def _plan_unplanned(
         return base
     nodes = [f.node for f in lost]
     if len(after_drop.spares) >= len(lost):
+        returned = tuple(f.node for f in lost if outlived(f, workers))
+        base = dataclasses.replace(
+            base, returned=returned, release=tuple(n for n in release if n not in returned)
+        )
         live = can_migrate_live(nodes, after_drop, workers, policy)
         orphans = _without_replica(nodes, membership, policy) if live else []
         if orphans:
@@ -222,12 +262,13 @@ def _plan_unplanned(
             )
         return _onto_spares(base, Action.LIVE if live and not orphans else Action.RESTART, after_drop, nodes)
     first = lost[len(after_drop.spares)]  # the first loss no spare is left for
-    crashed = all(
-        f.detector == Detector.STEP_EXITED and workers.get(f.node, WorkerFacts()).usable for f in lost
-    )
+    crashed = all(_restartable(f, workers) for f in lost)
     if crashed and policy.in_place_restarts < policy.max_in_place_restarts:
         return dataclasses.replace(
-            base, action=Action.RESTART_IN_PLACE, membership=after_drop.next_epoch(membership.epoch)
+            base,
+            action=Action.RESTART_IN_PLACE,
+            membership=after_drop.next_epoch(membership.epoch),
+            release=tuple(n for n in release if n not in nodes),  # restarted on, not released
         )
     if crashed:
         detail = (

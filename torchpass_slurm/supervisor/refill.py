@@ -27,8 +27,15 @@ no more. :class:`SparePool` keeps the pool at S for the job's whole life:
   granted, and its standby step died). The prolog runs at the node's first
   step.
 
+A node that outlived its rank's fault (``supervisor/plan.py``, ``outlived``:
+a crashed or hung process on a node Slurm calls usable) comes back first:
+:meth:`SparePool.give_back` holds it until its old step has ended, it counts
+toward the pool meanwhile (Slurm is not asked for a node in its place), and
+it joins like a granted node.
+
 Every request and outcome is an event: ``spare_requested``, ``spare_added``
-(with the seconds from the request), ``spare_refused`` (with Slurm's words).
+(with the seconds from the request, or from the loss for a node given back:
+``returned``), ``spare_refused`` (with Slurm's words).
 """
 
 from __future__ import annotations
@@ -55,10 +62,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Granted:
-    """A node Slurm merged into the job, waiting to join as a spare."""
+    """A node Slurm merged into the job (or one given back), waiting to join as a spare."""
 
     node: str
     requested_at: float  # monotonic
+    returned: bool = False
 
 
 class SparePool:
@@ -79,6 +87,8 @@ class SparePool:
         #: requests in flight on the pool's thread
         self.asking = 0
         self._granted: list[Granted] = []
+        #: lost nodes that outlived their rank's fault, waiting for their old step to end
+        self._returning: list[Granted] = []
         #: (requested at, the nodes or None, Slurm's error, whether the cluster rules refills out)
         self._outcomes: queue.SimpleQueue[tuple[float, tuple[str, ...] | None, str, bool]] = (
             queue.SimpleQueue()
@@ -103,7 +113,8 @@ class SparePool:
             self._lost.setdefault(node, self.clock.monotonic())
         if self.target <= 0 or self.job.state not in (RunState.RUNNING, RunState.RECOVERING):
             return
-        short = self.target - len(self.job.membership.spares) - self.asking - len(self._granted)
+        coming = self.asking + len(self._granted) + len(self._returning)
+        short = self.target - len(self.job.membership.spares) - coming
         now = self.clock.monotonic()
         if short <= 0 or now < self._next_try or self._blocked is not None:
             return
@@ -122,12 +133,25 @@ class SparePool:
         thread = threading.Thread(target=self._ask, args=(now, lost), name="torchpass-refill", daemon=True)
         thread.start()
 
+    def give_back(self, node: str) -> None:
+        """``node`` lost its rank but not its health: it rejoins as a spare once its old step
+        has ended (the loop's thread)."""
+        self._returning.append(Granted(node, self.clock.monotonic(), returned=True))
+        self._lost.pop(node, None)
+
     def ready(self) -> list[Granted]:
-        """Nodes to join now: every granted node, once no recovery is in flight."""
+        """Nodes to join now, once no recovery is in flight: every granted node, and every node
+        given back whose old step has ended."""
         if self.job.migration is not None or self.job.state != RunState.RUNNING:
             return []
-        taken, self._granted = self._granted, []
+        back = [g for g in self._returning if self._old_step_ended(g.node)]
+        self._returning = [g for g in self._returning if g not in back]
+        taken, self._granted = self._granted + back, []
         return taken
+
+    def _old_step_ended(self, node: str) -> bool:
+        step = self.job.steps.get(node)
+        return step is None or step.poll() is not None
 
     def close(self) -> None:
         """No more requests; a grant that arrives later is logged and left to the job's end."""

@@ -329,7 +329,8 @@ class World:
     sends nothing any more; :attr:`hello_delay` holds back a node's first
     message by that many seconds; :attr:`phase` sets the phase a node's heartbeats
     carry; a task in :attr:`quiet` stops beating while its process lives, one in :attr:`dead`
-    stops beating because its process died. :meth:`at` runs an action at an elapsed time.
+    stops beating because its process died (a later step on its node has new processes).
+    :meth:`at` runs an action at an elapsed time.
 
     ``node_beats`` plays per-node heartbeats (``TORCHPASS_NODE_HEARTBEAT=1``): in an active step
     only local rank 0 sends heartbeats, with ``tasks``, the last beat it heard of each other task,
@@ -415,6 +416,9 @@ class World:
             peer = f"{launch.node}/{local}#{n}".encode()
             sim.peers[f"{launch.node}/{local}"] = peer
             self._by_peer[peer] = sim
+            # new processes: a task that went quiet or died was one of the step before
+            self.quiet.discard(f"{launch.node}/{local}")
+            self.dead.discard(f"{launch.node}/{local}")
         launch.process.on_exit.append(lambda: self.server.disconnected.update(sim.peers.values()))
         self.current[launch.node] = sim
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchpass_slurm.faults import Detector, Fault, RecoveryPolicy
+from torchpass_slurm.faults import Detector, Evidence, Fault, RecoveryPolicy
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.plan import Action, Policy, WorkerFacts, plan_recovery
 
@@ -237,3 +237,58 @@ def test_a_stalled_recovery_restarts_every_rank_in_place_until_the_limit() -> No
     exhausted = Policy(recovery=RecoveryPolicy.LIVE, has_store=True, batch_host=BATCH, in_place_restarts=3)
     plan = plan_recovery([stalled], m, workers(True), exhausted)
     assert plan.action == Action.GIVE_UP and "3 in-place restarts already" in plan.detail
+
+
+#: A rank's fault on n2, by how it was seen: (detector, evidence).
+RANK_FAULTS = {
+    "process exited": (Detector.STEP_EXITED, Evidence.CONCLUSIVE),
+    "rank hung, node beats": (Detector.RANK_HUNG, Evidence.PROGRESS),
+    "process gone, node beats": (Detector.HEARTBEAT_LOST, Evidence.LOCAL_REPORT),
+    "frozen, job stalled": (Detector.HEARTBEAT_LOST, Evidence.PROGRESS),
+    "frozen, timeout": (Detector.HEARTBEAT_LOST, Evidence.TIMEOUT),
+    "silent, peer saw a reset": (Detector.HEARTBEAT_LOST, Evidence.PEER_REPORT),
+    "silent, slurmd unreachable": (Detector.HEARTBEAT_LOST, Evidence.PROBE),
+}
+#: (how, Slurm calls n2 usable) -> (n2 back to the pool with a spare, restart in place without one)
+OUTLIVED_TABLE = [
+    ("process exited", True, True, True),
+    ("rank hung, node beats", True, True, True),
+    ("process gone, node beats", True, True, True),
+    ("frozen, job stalled", True, False, True),
+    ("frozen, timeout", True, False, True),
+    ("silent, peer saw a reset", True, False, False),
+    ("silent, slurmd unreachable", True, False, False),
+    *[(how, False, False, False) for how in RANK_FAULTS],
+]
+
+
+def rank_fault(how: str) -> Fault:
+    detector, evidence = RANK_FAULTS[how]
+    return Fault(OTHER, detector, f"n2: {how}", exit_code=137 if detector == Detector.STEP_EXITED else None,
+                 evidence=evidence)
+
+
+def test_the_outlived_table_covers_every_combination() -> None:
+    assert {row[:2] for row in OUTLIVED_TABLE} == {(h, u) for h in RANK_FAULTS for u in (True, False)}
+
+
+@pytest.mark.parametrize(("how", "usable", "returned", "in_place"), OUTLIVED_TABLE)
+def test_a_node_that_outlived_its_ranks_fault_serves_the_job_again(
+        how: str, usable: bool, returned: bool, in_place: bool) -> None:
+    """Issue 24, item 4: with a spare, a node that lost only its rank goes back to the pool
+    (never released); without one, the job restarts in place on it, after a hang as after a
+    crash. A node that may be gone or cut off is neither."""
+    fault, facts = rank_fault(how), workers(True, usable=usable)
+    untrusted = fault.detector in (Detector.HEARTBEAT_LOST, Detector.RANK_HUNG)
+
+    with_spare = plan_recovery([fault], membership(True), facts, POLICY)
+    assert with_spare.action == Action.LIVE and with_spare.promoted == ("s1",)
+    assert with_spare.returned == ((OTHER,) if returned else ())
+    assert with_spare.release == ((OTHER,) if untrusted and not returned else ())
+    assert with_spare.stop == (OTHER,)
+
+    without = plan_recovery([fault], membership(False), facts, POLICY)
+    assert without.action == (Action.RESTART_IN_PLACE if in_place else Action.GIVE_UP)
+    if in_place:
+        assert without.release == () and without.stop == (OTHER,) and without.returned == ()
+        assert without.membership == membership(False).next_epoch()

@@ -129,3 +129,34 @@ def test_a_job_of_several_tasks_per_node_is_not_refilled_and_says_why(live: Live
     assert h.slurm.expansions == [] and not h.of_kind(ev.SPARE_REQUESTED)
     (refused,) = h.of_kind(ev.SPARE_REFUSED)
     assert "2 tasks per node" in refused.fields["error"]
+
+
+def test_a_node_that_lost_only_its_process_comes_back_and_takes_the_next_loss(live: Live) -> None:
+    """Issue 24, item 4: c2's process dies on a node Slurm calls usable. Its rank moves live to
+    the spare c4, and c2 itself, once its old step has ended, is the pool's spare again: the
+    pool never asks Slurm (c5 is idle, and stays so). c3's process dies next: its rank moves
+    live onto c2."""
+    h, ranks = live(refill=True)
+    h.slurm.idle = ["c5"]
+    wait_thread(h)
+    h.world.crash("c2", 137, at=3.0)
+    ranks.fail_collective("c1", at=3.2)
+    h.world.crash("c3", 137, at=14.0)
+    ranks.fail_collective("c1", at=14.2)
+
+    result = h.run()
+
+    assert (result.state, result.exit_code, result.restarts) == (RunState.SUCCEEDED, 0, 0)
+    promoted = [(e.fields["node"], e.fields["replaces"]) for e in h.of_kind(ev.SPARE_PROMOTED)]
+    assert promoted == [("c4", "c2"), ("c2", "c3")]
+    assert [e.fields["mode"] for e in h.of_kind(ev.MIGRATION_STARTED)] == ["live", "live"]
+    added = [(e.fields["node"], e.fields["returned"]) for e in h.of_kind(ev.SPARE_ADDED)]
+    assert added == [("c2", True), ("c3", True)]
+    first_done, second_started = h.of_kind(ev.MIGRATION_DONE)[0], h.of_kind(ev.MIGRATION_STARTED)[1]
+    assert at_of(h, first_done) <= at_of(h, h.of_kind(ev.SPARE_ADDED)[0]) < at_of(h, second_started)
+    assert not h.of_kind(ev.SPARE_REQUESTED) and h.slurm.expansions == []
+    assert not h.of_kind(ev.NODE_RELEASED), "a node that outlived its rank's fault stays in the job"
+    m = h.supervisor.membership
+    assert (m.active, m.spares, m.failed) == (("c1", "c4", "c2"), ("c3",), ())
+    # c2's standby is a step of the original allocation: it keeps the job's cpus-per-task request
+    assert h.slurm.unset_env["c2"] == ()
