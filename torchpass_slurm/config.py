@@ -111,6 +111,10 @@ def env_int(name: str, default: int | None = None, *, minimum: int = 0) -> int:
     return value
 
 
+#: Settings for which 0 means "never" (every other one must be above 0).
+MAY_BE_ZERO = frozenset({"spare_wait"})
+
+
 @dataclass(frozen=True)
 class SupervisorConfig:
     """Timing of the supervisor (tp run). All values in seconds, but ``hang_factor``, the port
@@ -174,6 +178,11 @@ class SupervisorConfig:
     #: refusal the next request is made.
     refill_wait: float = 60.0
     refill_retry: float = 30.0
+    #: With no spare left for a lost rank whose state a replica holds, and a pool that can
+    #: refill, the survivors hold the committed step in memory up to this long for a node
+    #: (supervisor/hold.py); the move is then live. After it, the job restarts in place where
+    #: it can, else ends. 0: never hold.
+    spare_wait: float = 300.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SupervisorConfig:
@@ -193,8 +202,9 @@ class SupervisorConfig:
             except ValueError:
                 noun = "an integer" if kind is int else "a number of seconds"
                 raise ConfigError(f"{name}={raw!r} is not {noun}") from None
-            if value <= 0:
-                raise ConfigError(f"{name}={raw!r} must be above 0")
+            if value < 0 or (value == 0 and f.name not in MAY_BE_ZERO):
+                floor = "0 or more" if f.name in MAY_BE_ZERO else "above 0"
+                raise ConfigError(f"{name}={raw!r} must be {floor}")
             values[f.name] = value
         return cls(**values)
 

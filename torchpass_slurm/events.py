@@ -88,6 +88,7 @@ SPARE_LOST = "spare_lost"  # a spare died on standby
 SPARE_REQUESTED = "spare_requested"  # the pool is short: Slurm is asked for a node (held=, target=)
 SPARE_ADDED = "spare_added"  # a node joined as a spare (node=, seconds=, returned=: it lost only its rank)
 SPARE_REFUSED = "spare_refused"  # Slurm gave no node for the pool (error=, seconds=)
+HOLDING = "holding"  # no spare: the committed step is held for one (failed=, wait_s=, detail=)
 RESTARTED = "restarted"  # fell back to checkpoint-restart
 FINISHED = "finished"  # the training ended well (exit_code=, restarts=, supervisor_cpu_s=, srun_cpu_s=)
 FAILED = "failed"  # the job gave up

@@ -19,7 +19,8 @@ import os
 import pytest
 
 from scripts.devcluster import Cluster, wait_for
-from tests.cluster.jobs import TRAIN_ARGS, TpJob, active_victim, final_hash, submit
+from tests.cluster.jobs import TRAIN_ARGS, TpJob, active_victim, final_hash, kill_rank, submit
+from tests.cluster.test_live_migration import assert_all_live
 
 pytestmark = pytest.mark.cluster
 
@@ -72,3 +73,32 @@ def test_one_spare_carries_the_job_through_three_node_losses_live(
         + "; refills "
         + ", ".join(f"{a['node']} in {a['seconds']:.1f} s" for a in added)
     )
+
+
+def test_a_node_that_lost_only_its_process_is_the_spare_for_the_next_loss(
+    healthy_cluster: Cluster, reference_hash: str
+) -> None:
+    """Issue 24, item 4: a rank's process is killed on a node that stays healthy. Its rank moves
+    live to the spare, and the node itself rejoins the pool (Slurm is not asked for another,
+    though c5 is idle). A second process kill moves that rank live onto it."""
+    c = healthy_cluster
+    job = submit(c, "-N", "3", "--spares", "1")
+    job.wait_step(3)
+    first = active_victim(c, job)
+    kill_rank(c, first)
+    wait_for(lambda: first in standby_spares(job), timeout=120, what=f"{first} back on standby", interval=1)
+    second = active_victim(c, job)
+    kill_rank(c, second)
+    assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+
+    events = job.events()
+    promoted = [e["replaces"] for e in events if e["kind"] == "spare_promoted"]
+    assert promoted == [first, second], promoted
+    promoted_nodes = [e["node"] for e in events if e["kind"] == "spare_promoted"]
+    assert promoted_nodes[1] == first, "the second loss moved onto the node given back"
+    added = [(e["node"], e["returned"]) for e in events if e["kind"] == "spare_added"]
+    assert added[0] == (first, True), added
+    assert not [e for e in events if e["kind"] == "spare_requested"], "a node was coming back"
+    assert first not in [e["node"] for e in events if e["kind"] == "node_released"]
+    assert_all_live(c, job, 2)
+    assert final_hash(job) == reference_hash

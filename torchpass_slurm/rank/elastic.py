@@ -60,7 +60,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: How long a rank whose collective failed waits for the supervisor's reconfigure.
+#: How long a rank whose collective failed waits for the supervisor's reconfigure, besides the
+#: time the supervisor may hold the job for a spare (:func:`reconfigure_timeout`).
 RECONFIGURE_TIMEOUT = datetime.timedelta(seconds=120)
 #: A teardown slower than this writes every thread's stack to the rank's stderr (seconds).
 TEARDOWN_STACKS_S = 3.0
@@ -158,6 +159,15 @@ def collective_timeout() -> datetime.timedelta:
             config.ENV_COLLECTIVE_TIMEOUT, config.DEFAULT_COLLECTIVE_TIMEOUT_S, minimum=1.0
         )
     )
+
+
+def reconfigure_timeout() -> datetime.timedelta:
+    """How long a rank whose collective failed waits for its reconfigure: :data:`RECONFIGURE_TIMEOUT`
+    plus ``TORCHPASS_SPARE_WAIT``, for which the supervisor may hold the job when no spare is
+    left (``supervisor/hold.py``)."""
+    from torchpass_slurm.config import SupervisorConfig
+
+    return RECONFIGURE_TIMEOUT + datetime.timedelta(seconds=SupervisorConfig.from_env().spare_wait)
 
 
 class ElasticTrainer:
@@ -380,9 +390,9 @@ class ElasticTrainer:
             self.rank_state.forget_held()
         self._tear_down(exc)
         while True:
-            body = self._next_reconfigure(RECONFIGURE_TIMEOUT)
+            body = self._next_reconfigure(reconfigure_timeout())
             if body is None:
-                self.rt.log.error("no reconfigure from the supervisor within %s", RECONFIGURE_TIMEOUT)
+                self.rt.log.error("no reconfigure from the supervisor within %s", reconfigure_timeout())
                 raise exc
             try:
                 self._reconfigure(body)

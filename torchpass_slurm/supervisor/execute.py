@@ -27,11 +27,12 @@ from torchpass_slurm.control.server import ControlServer
 from torchpass_slurm.errors import SlurmError
 from torchpass_slurm.faults import Detector, Fault, Resolution
 from torchpass_slurm.slurm import SlurmBackend
+from torchpass_slurm.supervisor import hold
 from torchpass_slurm.supervisor.allocation import Allocation
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.orders import Orders
 from torchpass_slurm.supervisor.plan import Action, Plan
-from torchpass_slurm.supervisor.state import Clock, JobState, Migration, RunState
+from torchpass_slurm.supervisor.state import Clock, Holding, JobState, Migration, RunState
 from torchpass_slurm.supervisor.workers import StepLauncher, WorkerState
 
 __all__ = ["Executor"]
@@ -72,11 +73,14 @@ class Executor:
         self.clock = clock
         self.allocation = Allocation(job, slurm=slurm, events=events)
         self.orders = Orders(job, server=server, config=config, clock=clock, store=store)
+        #: the hold the plan being carried out ends (its losses were recorded when it began)
+        self._held: Holding | None = None
         self._actions = {
             Action.LIVE: self._live,
             Action.PLANNED: self._planned,
             Action.RESTART: self._restart,
             Action.RESTART_IN_PLACE: self._restart_in_place,
+            Action.HOLD: self._hold,
             Action.REGROUP: self._regroup,
             Action.DROP_SPARE: self._drop_spare,
             Action.DRAIN: self._drain,
@@ -107,9 +111,14 @@ class Executor:
 
     # -- plans ------------------------------------------------------------------
     def execute(self, plan: Plan) -> None:
-        """Carry out ``plan``: record and stop what was lost, act, then release dead nodes."""
+        """Carry out ``plan``: record and stop what was lost, act, then release dead nodes.
+        A plan after a hold (``supervisor/hold.py``) ends it; the held losses were recorded."""
+        held = self.job.holding
+        self._held = held if plan.action != Action.HOLD else None
+        if self._held is not None:
+            self.job.holding = None
         for fault in plan.faults:
-            if fault.loses_node:
+            if fault.loses_node and (held is None or fault not in held.faults):
                 self._record(fault)
         if plan.stop:
             self.launcher.stop_lost([self.job.steps[n] for n in plan.stop], self.config.lost_stop_timeout)
@@ -122,6 +131,11 @@ class Executor:
 
     def _nothing(self, plan: Plan) -> None:
         pass
+
+    def _hold(self, plan: Plan) -> None:
+        """No spare for a loss whose state a replica holds: wait for the pool to refill."""
+        self.change_membership(plan.membership)  # spares lost meanwhile leave the pool
+        hold.begin(self.job, plan.lost, plan.detail, self.events, self.config.spare_wait, self.clock)
 
     def _drop_spare(self, plan: Plan) -> None:
         self.change_membership(plan.membership)
@@ -255,6 +269,8 @@ class Executor:
         """``migration_started`` of a recovery from lost nodes: live, restart, restart in place."""
         failed = plan.lost_nodes
         why: dict[str, Any] = {"fallback": plan.fallback, "detail": plan.detail} if plan.fallback else {}
+        if self._held is not None:  # the job held its step this long for a spare
+            why["held_s"] = round(self.clock.time() - self._held.since, 3)
         self.events.append(
             ev.MIGRATION_STARTED,
             failed=failed,

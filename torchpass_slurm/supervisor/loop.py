@@ -35,6 +35,7 @@ from torchpass_slurm.control.server import ControlServer
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.faults import Detector, Fault, RecoveryPolicy
 from torchpass_slurm.slurm import SlurmBackend
+from torchpass_slurm.supervisor import hold
 from torchpass_slurm.supervisor.completion import Completion
 from torchpass_slurm.supervisor.detect import Detectors
 from torchpass_slurm.supervisor.execute import Executor
@@ -83,6 +84,7 @@ class Supervisor:
         any ──faults──► plan_recovery ──► one of
             live, planned, regroup ──► RECOVERING ──the new epoch's first step──► RUNNING
             restart on spares, restart in place ──► LAUNCHING (the relaunched steps say hello)
+            hold (no spare yet) ──► RECOVERING ──a spare joined, or spare_wait over──► plan_recovery
             drop a spare, drain (pre-emptive), defer ──► the same state
             give up ──► FAILED
         RUNNING ──a drain seen, no recovery in flight──► plan_recovery (planned)
@@ -183,8 +185,8 @@ class Supervisor:
                         granted.node, waited_s(granted, self.clock), returned=granted.returned
                     )
                 faults = self.detectors.detect()
-                if faults:
-                    self._recover(faults)
+                if faults or hold.due(job, self.clock):
+                    self._recover([*hold.held_faults(job), *faults])
                 elif self.detectors.settling:
                     pass  # judging a suspicion: nothing else starts meanwhile
                 elif self.detectors.drains and job.migration is None and job.state == RunState.RUNNING:
@@ -207,20 +209,14 @@ class Supervisor:
 
     def _recover(self, faults: list[Fault]) -> None:
         job = self.job
-        workers = {
-            n: WorkerFacts(
-                live=s.live,
-                running=s.state == WorkerState.RUNNING,
-                usable=self.detectors.usable.get(n, False),
-            )
-            for n, s in job.steps.items()
-        }
+        workers = worker_facts(job, self.detectors.usable)
         policy = Policy(
             recovery=self.recovery,
             has_store=bool(self.store[1]),
             batch_host=self.batch_host,
             in_place_restarts=job.in_place_restarts,
             layout=job.layout,
+            spare_wait=self.pool.hold_left(),
         )
         plan = plan_recovery(faults, job.membership, workers, policy)
         logger.info("plan: %s for %s", plan.action, ", ".join(f"{f.detector} on {f.node}" for f in faults))
@@ -376,6 +372,14 @@ class Supervisor:
             write_status(self.run_dir, job_status(self.job, self.run_dir, self.clock.time()))
         except OSError as err:
             logger.warning("could not write status.json: %s", err)
+
+
+def worker_facts(job: JobState, usable: Mapping[str, bool]) -> dict[str, WorkerFacts]:
+    """What the planner needs of each step of ``job``; ``usable``: Slurm's last word per node."""
+    return {
+        n: WorkerFacts(live=s.live, running=s.state == WorkerState.RUNNING, usable=usable.get(n, False))
+        for n, s in job.steps.items()
+    }
 
 
 def read_pass(

@@ -14,6 +14,9 @@ carries the plan out. The decision, for the faults of one detection::
     unplanned      active           enough spares (else: every lost node      restart on spares
                                     outlived its rank's fault, a crash or a   (restart in place)
                                     hang, and Slurm calls it usable)
+    unplanned      active           no spare and no in-place restart, but     hold (for up to
+                                    live migration possible once a spare is    spare_wait s)
+                                    there, and the pool can refill
     unplanned      active           no spare, a node dead, or too many        give up
                                     in-place restarts
     unplanned      - (a collective failed and the settle blamed nobody)       regroup
@@ -79,6 +82,7 @@ class Action(StrEnum):
     RESTART = Recovery.RESTART.value
     RESTART_IN_PLACE = Recovery.RESTART_IN_PLACE.value
     REGROUP = Recovery.REGROUP.value
+    HOLD = "hold"
     DROP_SPARE = "drop-spare"
     DRAIN = "drain"
     DEFER = "defer"
@@ -120,6 +124,9 @@ class Policy:
     max_in_place_restarts: int = MAX_IN_PLACE_RESTARTS
     #: the job's device mesh (None: DDP, every rank a replica of every other)
     layout: MeshLayout | None = None
+    #: how long the job may still hold its committed step for a spare (0: it may not;
+    #: ``supervisor/hold.py``)
+    spare_wait: float = 0.0
 
     def mesh(self, world_size: int) -> MeshLayout:
         """The job's mesh; DDP over ``world_size`` when none fits (none was reported)."""
@@ -213,6 +220,14 @@ def can_migrate_live(
     lost: Sequence[str], membership: Membership, workers: Mapping[str, WorkerFacts], policy: Policy
 ) -> bool:
     """Every surviving active rank runs the elastic loop, and there is a spare per lost node."""
+    return _survivors_can_rebuild(lost, membership, workers, policy) and len(membership.spares) >= len(lost)
+
+
+def _survivors_can_rebuild(
+    lost: Sequence[str], membership: Membership, workers: Mapping[str, WorkerFacts], policy: Policy
+) -> bool:
+    """Live migration is the policy, a store exists, and every surviving active rank runs the
+    elastic loop: the survivors can rebuild their group in place (once a spare is there)."""
     survivors = [n for n in membership.active if n not in lost]
     facts = [workers.get(n, WorkerFacts()) for n in survivors]
     return (
@@ -220,7 +235,6 @@ def can_migrate_live(
         and policy.has_store
         and bool(survivors)
         and all(w.live and w.running for w in facts)
-        and len(membership.spares) >= len(lost)
     )
 
 
@@ -269,6 +283,18 @@ def _plan_unplanned(
             action=Action.RESTART_IN_PLACE,
             membership=after_drop.next_epoch(membership.epoch),
             release=tuple(n for n in release if n not in nodes),  # restarted on, not released
+        )
+    if (
+        policy.spare_wait > 0
+        and _survivors_can_rebuild(nodes, after_drop, workers, policy)
+        and not _without_replica(nodes, membership, policy)
+    ):
+        return dataclasses.replace(
+            base,
+            action=Action.HOLD,
+            membership=after_drop,
+            detail=f"{first.detail}; no hot spare left: holding the committed step for up to "
+            f"{policy.spare_wait:.0f} s while the spare pool refills",
         )
     if crashed:
         detail = (

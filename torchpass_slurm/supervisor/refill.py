@@ -19,7 +19,9 @@ no more. :class:`SparePool` keeps the pool at S for the job's whole life:
   step on a merged node stayed pending until the job ended, with or without
   ``--exclusive`` on the request (Slurm 24.11; not understood yet).
 * **Joining.** A granted node joins as a spare between recoveries (never
-  while one is in flight, whose plan fixed the membership): the loop takes it
+  while one is in flight, whose plan fixed the membership), or while the job
+  holds its step for one (``supervisor/hold.py``: the pool then asks for a
+  node per held loss on top of its target): the loop takes it
   with :meth:`ready` and launches its standby step. A node the job lost and
   that Slurm gives back (repaired and idle again) joins like any other, but
   not within ``SlurmdTimeout`` of its loss: until then Slurm may still call a
@@ -106,6 +108,21 @@ class SparePool:
     def granted(self) -> int:
         return len(self._granted)
 
+    @property
+    def can_refill(self) -> bool:
+        """The pool may still ask Slurm for nodes (a job may hold its step for one)."""
+        return self.target > 0 and self._blocked is None and self.job.membership.ntasks_per_node == 1
+
+    def hold_left(self) -> float:
+        """How long a plan may still hold the job's step for a spare (``supervisor/hold.py``):
+        ``spare_wait`` before a hold, what is left of it during one; 0 when the pool cannot
+        refill."""
+        if not self.can_refill:
+            return 0.0
+        if self.job.holding is None:
+            return self.config.spare_wait
+        return max(0.0, self.job.holding.until - self.clock.monotonic())
+
     def check(self) -> None:
         """Collect what Slurm answered, and ask again while the pool is short (the loop's thread)."""
         self._collect()
@@ -114,7 +131,8 @@ class SparePool:
         if self.target <= 0 or self.job.state not in (RunState.RUNNING, RunState.RECOVERING):
             return
         coming = self.asking + len(self._granted) + len(self._returning)
-        short = self.target - len(self.job.membership.spares) - coming
+        held = len(self.job.holding.faults) if self.job.holding is not None else 0  # a spare each, first
+        short = self.target + held - len(self.job.membership.spares) - coming
         now = self.clock.monotonic()
         if short <= 0 or now < self._next_try or self._blocked is not None:
             return
@@ -140,9 +158,10 @@ class SparePool:
         self._lost.pop(node, None)
 
     def ready(self) -> list[Granted]:
-        """Nodes to join now, once no recovery is in flight: every granted node, and every node
-        given back whose old step has ended."""
-        if self.job.migration is not None or self.job.state != RunState.RUNNING:
+        """Nodes to join now, once no recovery is in flight (a hold waits for them): every
+        granted node, and every node given back whose old step has ended."""
+        steady = self.job.migration is None and self.job.state == RunState.RUNNING
+        if not (steady or self.job.holding is not None):
             return []
         back = [g for g in self._returning if self._old_step_ended(g.node)]
         self._returning = [g for g in self._returning if g not in back]

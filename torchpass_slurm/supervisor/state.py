@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchpass_slurm.faults import Resolution
+from torchpass_slurm.faults import Fault, Resolution
 from torchpass_slurm.rank.layout import MeshLayout
 from torchpass_slurm.strenum import StrEnum
 from torchpass_slurm.supervisor.membership import Membership
@@ -18,7 +18,7 @@ from torchpass_slurm.supervisor.progress import Progress
 from torchpass_slurm.supervisor.rankstates import RankStates
 from torchpass_slurm.supervisor.workers import Clock, WorkerState, WorkerStep
 
-__all__ = ["Clock", "RunState", "RunResult", "Migration", "JobState"]
+__all__ = ["Clock", "RunState", "RunResult", "Migration", "Holding", "JobState"]
 
 
 class RunState(StrEnum):
@@ -63,6 +63,25 @@ class Migration:
     left: bool = False
 
 
+@dataclass(frozen=True)
+class Holding:
+    """The losses the job holds for (``supervisor/hold.py``), since when (unix time) and until
+    when (monotonic)."""
+
+    faults: tuple[Fault, ...]
+    since: float
+    until: float
+
+    @property
+    def nodes(self) -> list[str]:
+        return [f.node for f in self.faults]
+
+    def widened(self, faults: tuple[Fault, ...]) -> Holding:
+        """The same wait, now for ``faults`` too (a loss during the hold)."""
+        more = tuple(f for f in faults if f not in self.faults)
+        return Holding(self.faults + more, self.since, self.until)
+
+
 @dataclass
 class JobState:
     """One job's membership, steps and progress, as the supervisor knows them."""
@@ -72,6 +91,8 @@ class JobState:
     steps: dict[str, WorkerStep] = field(default_factory=dict)
     state: RunState = RunState.LAUNCHING
     migration: Migration | None = None
+    #: losses the job holds its committed step for, waiting for a spare (supervisor/hold.py)
+    holding: Holding | None = None
     restarts: int = 0
     in_place_restarts: int = 0
     #: drained nodes whose ranks are handing over, and those that have left the job

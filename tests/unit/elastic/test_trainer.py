@@ -193,6 +193,7 @@ def loss_of_step(step: int, m: nn.Module) -> torch.Tensor:
 def test_an_active_rank_without_a_reconfigure_raises_the_original_error(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(elastic, "RECONFIGURE_TIMEOUT", datetime.timedelta(seconds=0.05))
+    monkeypatch.setenv("TORCHPASS_SPARE_WAIT", "0")  # no hold for a spare to wait through either
     client = FakeClient()
     trainer, _, optimizer = trainer_for(active(client))
 
@@ -373,3 +374,11 @@ def test_the_heartbeat_phase_follows_the_loop(store: int) -> None:
     assert (client.phase_at["collective_failed"], client.phase_at["group_rebuilt"]) == (
         "recovering", "recovering")
     assert rt.state == "running"
+
+
+def test_a_rank_waits_for_its_reconfigure_as_long_as_the_supervisor_may_hold_for_a_spare(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHPASS_SPARE_WAIT", "45")
+    assert elastic.reconfigure_timeout() == elastic.RECONFIGURE_TIMEOUT + datetime.timedelta(seconds=45)
+    monkeypatch.setenv("TORCHPASS_SPARE_WAIT", "0")
+    assert elastic.reconfigure_timeout() == elastic.RECONFIGURE_TIMEOUT

@@ -167,6 +167,7 @@ def test_destroying_a_group_that_is_already_gone_is_a_no_op() -> None:
 def _failing_rank(port: int, out: str) -> None:
     """Rank 0: its first step fails (a dead peer, as it saw it); no reconfigure ever comes."""
     os.environ["TORCHPASS_COLLECTIVE_TIMEOUT"] = str(PEER_TIMEOUT_S)
+    os.environ["TORCHPASS_SPARE_WAIT"] = "0"  # the wait is RECONFIGURE_TIMEOUT alone
     elastic.RECONFIGURE_TIMEOUT = datetime.timedelta(seconds=NO_RECONFIGURE_S)
     rt = Runtime(Role.ACTIVE, info(0, 2, port), environ={}, client=FakeClient())
     torch.manual_seed(0)

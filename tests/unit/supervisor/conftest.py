@@ -112,9 +112,9 @@ def live(make: Callable[..., Harness]) -> Live:
     def build(*, recovery: str = "live", elastic: set[str] | None = None, active: int = 3,
               spares: int = 1, ntasks: int = 1, agreed_lag: int = 0,
               probe: bool = False, node_beats: bool = False,
-              refill: bool = False) -> tuple[Harness, ElasticRanks]:
+              refill: bool = False, config: SupervisorConfig = CONFIG) -> tuple[Harness, ElasticRanks]:
         h = make(active=active, spares=spares, ntasks=ntasks, train_s=TRAIN_S, store=STORE,
-                 recovery=recovery, probe=probe, node_beats=node_beats, refill=refill)
+                 recovery=recovery, probe=probe, node_beats=node_beats, refill=refill, config=config)
         return h, ElasticRanks(h.world, elastic, agreed_lag=agreed_lag)
     return build
 

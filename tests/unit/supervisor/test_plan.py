@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from torchpass_slurm.faults import Detector, Evidence, Fault, RecoveryPolicy
+from torchpass_slurm.rank.layout import MeshLayout
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.plan import Action, Policy, WorkerFacts, plan_recovery
 
@@ -292,3 +295,42 @@ def test_a_node_that_outlived_its_ranks_fault_serves_the_job_again(
     if in_place:
         assert without.release == () and without.stop == (OTHER,) and without.returned == ()
         assert without.membership == membership(False).next_epoch()
+
+
+HOLDING = Policy(recovery=RecoveryPolicy.LIVE, has_store=True, batch_host=BATCH, spare_wait=300.0)
+DEAD = Fault(OTHER, Detector.HEARTBEAT_LOST, "n2 silent for 1.2 s", evidence=Evidence.PROBE)
+
+
+def test_a_dead_node_with_no_spare_holds_the_step_while_the_pool_can_refill() -> None:
+    """Issue 24, item 3: a replica holds the lost rank's state, so the job waits for a node."""
+    plan = plan_recovery([DEAD], membership(False), workers(True), HOLDING)
+
+    assert plan.action == Action.HOLD
+    assert plan.membership == membership(False) and plan.promoted == ()
+    assert plan.lost == (DEAD,) and plan.stop == (OTHER,) and plan.release == (OTHER,)
+    assert "holding the committed step for up to 300 s" in plan.detail
+
+
+@pytest.mark.parametrize(("why", "facts", "policy"), [
+    ("no time left to wait (or a pool that cannot refill)", workers(True), POLICY),
+    ("a survivor off the elastic loop", workers(False), HOLDING),
+    ("pure FSDP: no replica of the lost shard",
+     workers(True), dataclasses.replace(HOLDING, layout=MeshLayout(("shard",), (6,), replicate=None))),
+])
+def test_a_dead_node_with_no_spare_ends_the_job_when_holding_cannot_help(
+        why: str, facts: dict[str, WorkerFacts], policy: Policy) -> None:
+    plan = plan_recovery([DEAD], membership(False), facts, policy)
+
+    assert plan.action == Action.GIVE_UP, why
+    assert "no hot spare left" in plan.detail
+
+
+def test_a_crash_with_no_spare_restarts_in_place_before_it_would_hold_and_holds_after_the_limit() -> None:
+    crash = Fault(OTHER, Detector.STEP_EXITED, "srun step on n2 exited with status 137", 137)
+
+    first = plan_recovery([crash], membership(False), workers(True), HOLDING)
+    spent = plan_recovery([crash], membership(False), workers(True),
+                          dataclasses.replace(HOLDING, in_place_restarts=3))
+
+    assert first.action == Action.RESTART_IN_PLACE
+    assert spent.action == Action.HOLD

@@ -1,0 +1,66 @@
+"""No spare at this moment is not the end: the job holds its committed step while the pool refills.
+
+A rank is lost, no spare is left, but a replica still holds the lost rank's
+state and the spare pool can ask Slurm for a node (``supervisor/refill.py``).
+Giving up would throw that state away, so the plan is ``hold``
+(``supervisor/plan.py``): the lost step is stopped and recorded as any loss,
+the survivors, whose collective failed, keep their processes and the
+committed step in memory and wait for their reconfigure, and the pool asks
+for a node for each held loss on top of its target. A node that lost only
+its rank (``plan.outlived``) is given back and counts as one coming.
+
+Each loop pass, :func:`due` says when to hand the held faults back to the planner: once
+the pool holds a spare for each of them (the move is then live, its
+``migration_started`` says how long it was held: ``held_s``), or once
+``spare_wait`` is over (the planner no longer holds: a restart in place
+where every lost node outlived its fault, else the job ends). A fault that
+comes meanwhile is planned together with the held ones; the wait keeps its
+first deadline.
+
+The ranks wait for their reconfigure ``spare_wait`` longer than they would
+otherwise (``rank/elastic.py``); ``tp run`` exports the setting to them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torchpass_slurm import events as ev
+from torchpass_slurm.faults import Fault
+from torchpass_slurm.supervisor.state import Clock, Holding, JobState, RunState
+
+__all__ = ["begin", "due", "held_faults"]
+
+logger = logging.getLogger(__name__)
+
+
+def begin(
+    job: JobState, lost: tuple[Fault, ...], detail: str, events: ev.EventLog, spare_wait: float, clock: Clock
+) -> None:
+    """Hold for ``lost`` (a plan's ``hold``): up to ``spare_wait`` s from the first held loss on;
+    a loss during the hold joins it, with the same deadline. ``holding`` says so, once a loss."""
+    held = job.holding
+    new = tuple(f for f in lost if held is None or f not in held.faults)
+    if held is None:
+        job.holding = Holding(lost, clock.time(), clock.monotonic() + spare_wait)
+    else:
+        job.holding = held.widened(lost)
+    if new:
+        left = round(job.holding.until - clock.monotonic(), 3)
+        events.append(ev.HOLDING, failed=[f.node for f in new], wait_s=left, detail=detail)
+        logger.warning("%s", detail)
+    job.state = RunState.RECOVERING
+
+
+def due(job: JobState, clock: Clock) -> bool:
+    """The held losses go back to the planner now: a spare is in the pool for each, or the wait
+    is over."""
+    held = job.holding
+    if held is None:
+        return False
+    return len(job.membership.spares) >= len(held.faults) or clock.monotonic() >= held.until
+
+
+def held_faults(job: JobState) -> list[Fault]:
+    """The losses the job holds for, planned again with any new fault."""
+    return list(job.holding.faults) if job.holding is not None else []
