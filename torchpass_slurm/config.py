@@ -20,6 +20,8 @@ ENV_RUN_DIR = "TORCHPASS_RUN_DIR"
 ENV_SECRET_FILE = "TORCHPASS_SECRET_FILE"
 ENV_NODES = "TORCHPASS_NODES"
 ENV_SPARES = "TORCHPASS_SPARES"
+#: Seconds a job may hold its step for a spare (``SupervisorConfig.spare_wait``; tp-submit --spare-wait).
+ENV_SPARE_WAIT = "TORCHPASS_SPARE_WAIT"
 #: Set by tp-submit's batch script of a heterogeneous job: the het group of the training
 #: nodes (the supervisor runs in group 0). Unset: the job's own nodes are the training nodes.
 ENV_TRAINING_HET_GROUP = "TORCHPASS_TRAINING_HET_GROUP"

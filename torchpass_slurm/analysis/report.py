@@ -153,6 +153,7 @@ class FaultRecord:
     phases: Phases
     fault_class: str  # unplanned | pre-emptive | planned
     fallback: str | None = None  # why its recovery was not live though it could have been
+    held_s: float | None = None  # how long the job held its step for a spare before the move
 
     def as_dict(self) -> dict[str, Any]:
         """The fault's JSON form: the time rounded to milliseconds, the phases as :meth:`Phases.as_dict`."""
@@ -169,6 +170,7 @@ class FaultRecord:
             "lost_steps": self.lost_steps,
             "recomputed_steps": self.recomputed_steps,
             "fallback": self.fallback,
+            "held_s": self.held_s,
             "phases": self.phases.as_dict(),
         }
 
@@ -428,6 +430,8 @@ def _fault(cause: _Cause, recovery: _Recovery) -> FaultRecord:
         detail = cause.reason
         if recovery.deferred is not None and recovery.deferred.fields.get("detail"):
             detail += f" (deferred: {recovery.deferred.fields['detail']})"
+    started = recovery.started.fields if recovery.started else {}
+    held = started.get("held_s")
     return FaultRecord(
         ts=shown.ts,
         node=cause.node,
@@ -441,7 +445,8 @@ def _fault(cause: _Cause, recovery: _Recovery) -> FaultRecord:
         recomputed_steps=recovery.steps("recomputed_steps"),
         phases=_phases(cause, recovery),
         fault_class=cause.fault_class,
-        fallback=str((recovery.started.fields if recovery.started else {}).get("fallback") or "") or None,
+        fallback=str(started.get("fallback") or "") or None,
+        held_s=_round(held) if isinstance(held, (int, float)) else None,
     )
 
 

@@ -194,7 +194,9 @@ def fault_table(report: JobReport) -> Table:
                 fault.fault_class,
                 fault.node,
                 fault.detector,
-                (fault.resolution or "unresolved") + (f" ({fault.fallback})" if fault.fallback else ""),
+                (fault.resolution or "unresolved")
+                + (f" ({fault.fallback})" if fault.fallback else "")
+                + (f" (held {fault.held_s:.0f} s for a spare)" if fault.held_s else ""),
                 format_steps(fault.lost_steps),
                 format_steps(fault.recomputed_steps),
                 *(

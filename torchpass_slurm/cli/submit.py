@@ -70,6 +70,10 @@ unchanged, in order.
 \b
 tp-submit's options:
   --spares S          hot-spare nodes, in addition to -N (default 0)
+  --spare-wait SECONDS
+                      with no spare left, how long the job holds its step
+                      in memory for Slurm to give it a node, when a replica
+                      still holds the lost state (default 300; 0: never)
   --supervisor-partition P
                       run the supervisor in its own small component of a
                       heterogeneous job in partition P, so that every

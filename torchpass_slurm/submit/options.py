@@ -70,12 +70,16 @@ SBATCH_OPTIONS: dict[str, tuple[str, str]] = {
     ),
 }
 
-#: tp-submit's own options: on the command line, and the first three in ``#TP`` lines.
-TP_OPTIONS: dict[str, tuple[str, str]] = _table("spares run-dir supervisor-partition dry-run", REQUIRED)
+#: tp-submit's own options: on the command line, and the first four in ``#TP`` lines.
+TP_OPTIONS: dict[str, tuple[str, str]] = _table(
+    "spares spare-wait run-dir supervisor-partition dry-run", REQUIRED
+)
 TP_OPTIONS["dry-run"] = ("", FLAG)
 TP_OPTIONS["debug"] = ("", FLAG)
 #: The options a ``#TP`` line may hold.
-TP_LINE_OPTIONS = {name: TP_OPTIONS[name] for name in ("spares", "run-dir", "supervisor-partition")}
+TP_LINE_OPTIONS = {
+    name: TP_OPTIONS[name] for name in ("spares", "spare-wait", "run-dir", "supervisor-partition")
+}
 #: Everything tp-submit's command line may hold.
 COMMAND_LINE_OPTIONS = {**SBATCH_OPTIONS, **TP_OPTIONS}
 

@@ -22,6 +22,7 @@ from torchpass_slurm.config import (
     ENV_NTASKS_PER_NODE,
     ENV_RUN_DIR,
     ENV_SECRET_FILE,
+    ENV_SPARE_WAIT,
     ENV_SPARES,
     ENV_TRAINING_HET_GROUP,
 )
@@ -113,6 +114,7 @@ def render_batch_script(spec: JobSpec) -> str:
         *_header(spec),
         f"export {ENV_NODES}={spec.nodes}",
         f"export {ENV_SPARES}={spec.spares}",
+        *([f"export {ENV_SPARE_WAIT}={spec.spare_wait:g}"] if spec.spare_wait is not None else []),
         f"export {ENV_NTASKS_PER_NODE}={spec.ntasks_per_node}",
         f"export {ENV_RUN_DIR}={q(spec.run_dir)}",
         f"export {ENV_SECRET_FILE}={q(spec.secret_file)}",

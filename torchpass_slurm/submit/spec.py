@@ -57,6 +57,9 @@ class JobSpec:
     #: The supervisor's own component of a heterogeneous job; None: the batch host is
     #: the node of rank 0 (and cannot be replaced).
     supervisor: SupervisorPlacement | None = None
+    #: ``--spare-wait``: seconds the job may hold its step for a spare (TORCHPASS_SPARE_WAIT);
+    #: None: the setting's default or environment.
+    spare_wait: float | None = None
 
     @property
     def total_nodes(self) -> int:
@@ -79,6 +82,27 @@ def _count(option: Option | None, what: str, *, minimum: int) -> int | None:
     if int(value) < minimum:
         raise SubmitError(f"{what} must be at least {minimum}, got {option}")
     return int(value)
+
+
+#: The longest --spare-wait tp-submit accepts: a week (seconds).
+MAX_SPARE_WAIT_S = 7 * 24 * 3600
+
+
+def _seconds(option: Option | None, what: str) -> float | None:
+    """A number of seconds, 0 or more (at most :data:`MAX_SPARE_WAIT_S`), or None if not given."""
+    if option is None:
+        return None
+    try:
+        value = float(option.value or "")
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= MAX_SPARE_WAIT_S:  # NaN too
+        raise SubmitError(
+            f"{what}={option.value!r} (from {option.origin}) is not a number of seconds from 0 to "
+            f"{MAX_SPARE_WAIT_S}",
+            hint="e.g. --spare-wait 300; 0 ends the job at once when no spare is left",
+        )
+    return value
 
 
 def _node_count(option: Option | None) -> int | None:
@@ -225,6 +249,7 @@ def resolve_job_spec(
         supervisor=resolve_placement(
             _value(options, "supervisor-partition"), environ or {}, site or {}, site_path
         ),
+        spare_wait=_seconds(_last(options, "spare-wait"), "--spare-wait"),
     )
     _refuse_control_characters(spec)
     if spec.total_nodes > MAX_NODES:

@@ -38,7 +38,8 @@ class JobLog:
 
     def migration(self, t: float, epoch: int, failed: list[str], spares: list[str], *,
                   last_heartbeat: float | None, lost: int = 0, recomputed: int = 0,
-                  resolution: str = "live", skip: tuple[str, ...] = (), reason: str | None = None) -> JobLog:
+                  resolution: str = "live", skip: tuple[str, ...] = (), reason: str | None = None,
+                  held_s: float | None = None) -> JobLog:
         """A live migration starting ``t`` s in: decide 0.5, rebuild 0.75 (two ranks), agree 0.25,
         transfer 1.0 (two receivers), first step 0.5; kinds in ``skip`` are left out.
 
@@ -47,6 +48,8 @@ class JobLog:
         beat = None if last_heartbeat is None else T0 + last_heartbeat
         start: dict[str, Any] = dict(failed=failed, spares=spares, last_heartbeat=beat)
         done: dict[str, Any] = dict(resolution=resolution, lost_steps=lost, recomputed_steps=recomputed)
+        if held_s is not None:  # the job held its step this long for a spare
+            start.update(held_s=held_s)
         if reason is not None:
             start.update(mode="planned", reason=reason)
             done.update(planned=True)

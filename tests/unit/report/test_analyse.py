@@ -189,3 +189,26 @@ def test_a_rebuild_report_that_arrives_after_the_agreement_ends_the_rebuild_ther
     (fault,) = report_of(log).faults
     assert fault.phases == Phases(detection=3.0, decision=0.5, rebuild=1.5, agreement=0.0,
                                   transfer=0.5, first_step=0.5, total=3.0)
+
+
+def test_a_move_held_for_a_spare_says_how_long_it_waited(job_log: Any) -> None:
+    """Issue 24, item 3: no spare at the loss; the job held its step 31.5 s until one joined."""
+    log = job_log()
+    log.started(["n1", "n2", "n3"], [])
+    log.detected(10.0, "heartbeat_lost", "n2")
+    log.at(10.25, "holding", failed=["n2"], wait_s=300.0, detail="n2 silent; no hot spare left: holding")
+    log.migration(41.75, 1, ["n2"], ["s9"], last_heartbeat=9.0, held_s=31.5)
+    log.at(60.0, "finished", exit_code=0, message="training done", restarts=0)
+
+    (fault,) = report_of(log).faults
+
+    assert (fault.resolution, fault.lost_steps, fault.held_s) == ("live", 0, 31.5)
+    assert fault.phases.decision == 31.75  # the hold is part of the decision
+    assert fault.as_dict()["held_s"] == 31.5
+    from rich.console import Console
+
+    from torchpass_slurm.cli.report import print_report
+
+    console = Console(width=300, record=True)
+    print_report(console, [report_of(log)])
+    assert "live (held 32 s for a spare)" in console.export_text()

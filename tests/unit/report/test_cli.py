@@ -115,7 +115,7 @@ def test_json_of_one_job(job_log: Any) -> None:
     assert document["faults"][1] == {
         "index": 2, "class": "unplanned", "time": 1741064807.0, "node": "n3", "kind": "node_down", "detector": "node_down",
         "detail": "n3 failed", "exit_code": None, "recovery": 2, "resolution": "live", "lost_steps": 0,
-        "recomputed_steps": 3, "fallback": None,
+        "recomputed_steps": 3, "fallback": None, "held_s": None,
         "phases": {"detection": 2.0, "decision": 0.25, "rebuild": 0.75, "agreement": 0.25, "transfer": 1.0,
                    "first_step": 0.5, "total": 2.75},
     }

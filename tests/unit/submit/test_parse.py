@@ -12,6 +12,7 @@ from torchpass_slurm.submit import (
     parse_batch_script,
     parse_submit_args,
     resolve_job_spec,
+    render_batch_script,
     sbatch_arguments,
 )
 
@@ -318,3 +319,27 @@ def test_a_newline_in_the_scripts_path_never_reaches_the_rendered_script() -> No
 def test_a_node_count_beyond_any_cluster_is_refused(argv: list[str]) -> None:
     with pytest.raises(SubmitError, match="tp-submit allows at most 1,000,000"):
         spec_of(argv, "#!/bin/bash\nsrun true\n")
+
+
+# --- --spare-wait (issue 24, item 3) ---------------------------------------------------------
+
+
+def test_spare_wait_from_the_command_line_or_a_tp_line_is_exported_to_the_job() -> None:
+    given = spec_of(["--spare-wait", "90", "--", "true"])
+    from_line = spec_of(["job.sh"], "#!/bin/sh\n#TP --spare-wait=0\n#TP --spares=1\n")
+    default = spec_of(["--", "true"])
+
+    assert (given.spare_wait, from_line.spare_wait, default.spare_wait) == (90.0, 0.0, None)
+    assert "export TORCHPASS_SPARE_WAIT=90\n" in render_batch_script(given)
+    assert "export TORCHPASS_SPARE_WAIT=0\n" in render_batch_script(from_line)
+    assert "TORCHPASS_SPARE_WAIT" not in render_batch_script(default)  # the setting's default applies
+    assert not any("spare-wait" in a for a in sbatch_arguments(given))  # tp-submit's own, not sbatch's
+
+
+@pytest.mark.parametrize("value", ["soon", "-5", "nan", "inf", "604801", ""])
+def test_a_bad_spare_wait_is_refused_naming_where_it_came_from(value: str) -> None:
+    with pytest.raises(SubmitError) as info:
+        spec_of([f"--spare-wait={value}", "--", "true"])
+    assert info.value.message == (
+        f"--spare-wait={value!r} (from the command line) is not a number of seconds from 0 to 604800")
+    assert "--spare-wait 300" in (info.value.hint or "")
