@@ -10,11 +10,15 @@ idle node first, then the first repaired one, which the pool asks back only
 equal to the fault-free run's (the steps only sleep longer, which changes no
 number). ``TP_SPARE_POOL_KILLS`` runs more losses (the training is sized for
 three).
+
+Two more: a node that lost only its process is the pool's next spare, and a
+loss with the pool empty holds the job until Slurm frees a node.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -102,3 +106,40 @@ def test_a_node_that_lost_only_its_process_is_the_spare_for_the_next_loss(
     assert first not in [e["node"] for e in events if e["kind"] == "node_released"]
     assert_all_live(c, job, 2)
     assert final_hash(job) == reference_hash
+
+
+def test_a_loss_with_the_pool_empty_holds_the_step_until_slurm_frees_a_node(
+    healthy_cluster: Cluster, reference_hash: str
+) -> None:
+    """Issue 24, item 3: another job holds the only idle node (c5). The first node loss takes the
+    spare; the pool asks Slurm in vain. The second loss finds no spare: the survivors hold the
+    committed step, and when the other job ends 30 s later the pool gets c5 and the move is live."""
+    c = healthy_cluster
+    blocker = c.sbatch("-N1", "-w", "c5", "--exclusive", "-J", "other-work", "--wrap", "sleep 600")
+    wait_for(lambda: c.job_field(blocker, "JobState") == "RUNNING", timeout=60, what="c5 busy")
+    args = (*TRAIN_ARGS[: TRAIN_ARGS.index("--step-sleep")], "--step-sleep", "1.0")
+    job = submit(c, "-N", "3", "--spares", "1", "--spare-wait", "180", train_args=args, env=ENV)
+    job.wait_step(1)
+    first = active_victim(c, job)
+    c.kill(first)
+    wait_for(lambda: len(migrations(job)) == 1, timeout=120, what="the first move", interval=1)
+    second = active_victim(c, job)
+    c.kill(second)
+    holding = wait_for(lambda: [e for e in job.events() if e["kind"] == "holding"], timeout=60,
+                       what="the job holding for a spare", interval=1)[0]
+    assert holding["failed"] == [second] and holding["wait_s"] == pytest.approx(180, abs=1)
+    time.sleep(max(0.0, holding["ts"] + 30 - time.time()))
+    c.exec("ctl", "scancel", blocker)  # c5 is free 30 s into the hold
+    assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+
+    events = job.events()
+    started = [e for e in events if e["kind"] == "migration_started"]
+    assert [(e["failed"], e["spares"]) for e in started] == [([first], started[0]["spares"]), ([second], ["c5"])]
+    assert started[1]["held_s"] >= 30, started[1]
+    assert "held_s" not in started[0]
+    assert [e["node"] for e in events if e["kind"] == "spare_added"] == ["c5"]
+    assert_all_live(c, job, 2)
+    text = c.exec("ctl", "tp", "report", job.job_id).stdout
+    assert f"live (held {started[1]['held_s']:.0f} s for a spare)" in text, text
+    assert final_hash(job) == reference_hash
+    print(f"held {started[1]['held_s']:.1f} s; c5 freed {30} s into the hold")

@@ -165,7 +165,17 @@ class SparePool:
             return []
         back = [g for g in self._returning if self._old_step_ended(g.node)]
         self._returning = [g for g in self._returning if g not in back]
-        taken, self._granted = self._granted + back, []
+        offered, self._granted = self._granted + back, []
+        m = self.job.membership
+        taken: list[Granted] = []
+        for g in offered:
+            if g.node in m.active or g.node in m.spares or g.node in [t.node for t in taken]:
+                # two requests in flight, each excluding the job's nodes as they were when it was
+                # made: Slurm may merge a node into the job twice (measured: a node shared by two
+                # allocations, on a cluster that lets jobs share nodes). It is the job's already.
+                logger.info("Slurm gave %s again: it is the job's already", g.node)
+                continue
+            taken.append(g)
         return taken
 
     def _old_step_ended(self, node: str) -> bool:

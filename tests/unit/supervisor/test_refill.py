@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from torchpass_slurm import events as ev
+from torchpass_slurm.errors import SlurmError
 from torchpass_slurm.slurm.steps import EXPANDED_NODE_UNSET
 from torchpass_slurm.supervisor.loop import RunState
 
@@ -160,3 +161,35 @@ def test_a_node_that_lost_only_its_process_comes_back_and_takes_the_next_loss(li
     assert (m.active, m.spares, m.failed) == (("c1", "c4", "c2"), ("c3",), ())
     # c2's standby is a step of the original allocation: it keeps the job's cpus-per-task request
     assert h.slurm.unset_env["c2"] == ()
+
+
+def test_a_node_slurm_merges_twice_joins_once(live: Live) -> None:
+    """Two requests in flight while the job holds for a spare: both may come back with the same
+    node (Slurm shares a node between two allocations); it joins once, the job carries on."""
+    h, ranks = live(refill=True)
+    wait_thread(h)
+    h.slurm.idle = []
+    h.world.go_silent("c2", at=3.0)
+    ranks.fail_collective("c1", at=3.5)
+    h.world.go_silent("c3", at=9.0)
+    ranks.fail_collective("c1", at=9.5)
+    answered: list[str] = []
+
+    def sharing_expand(job_id: int, *, wait_s: int, exclude: object = ()) -> tuple[str, ...]:
+        """From 16 s on, Slurm answers c5 to the next two requests, then nothing."""
+        if h.clock.elapsed < 16.0 or len(answered) >= 2:
+            raise SlurmError(f"salloc: error: Unable to allocate resources within {wait_s} s")
+        answered.append("c5")
+        if "c5" not in h.slurm.job_nodes:
+            h.slurm.job_nodes.append("c5")
+            h.slurm.set_node("c5")
+        return ("c5",)
+
+    h.slurm.expand_job = sharing_expand  # type: ignore[method-assign]
+
+    result = h.run()
+
+    assert (result.state, result.exit_code) == (RunState.SUCCEEDED, 0)
+    assert [e.fields["node"] for e in h.of_kind(ev.SPARE_ADDED)] == ["c5"]
+    assert [e.fields["spares"] for e in h.of_kind(ev.MIGRATION_STARTED)] == [["c4"], ["c5"]]
+    assert answered == ["c5", "c5"], "both requests came back with c5"
