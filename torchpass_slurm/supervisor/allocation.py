@@ -62,6 +62,8 @@ class Allocation:
         #: set by close(): a shrink in flight gets no more tries
         self._closing = threading.Event()
         self.pending = 0
+        #: nodes already asked out: a plan made again after a hold names its losses again
+        self._asked: set[str] = set()
 
     def release(self, node: str) -> None:
         """A drained node's step has ended: give the node back to Slurm (it becomes DRAINED)."""
@@ -71,7 +73,13 @@ class Allocation:
 
     def shrink_out(self, nodes: list[str], *, reason: str) -> None:
         """Shrink the job to its other nodes, on the shrink thread; :meth:`collect` logs a
-        NODE_RELEASED event per node once it is done."""
+        NODE_RELEASED event per node once it is done. A node asked out before is not asked
+        again (measured on Slurm 24.11: a shrink to the nodes the job already had left a node
+        merged into it since with no CPU, and its steps pending for good)."""
+        nodes = [n for n in nodes if n not in self._asked]
+        if not nodes:
+            return
+        self._asked.update(nodes)
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="torchpass-shrink", daemon=True)
             self._thread.start()
@@ -118,8 +126,9 @@ class Allocation:
         try:
             while True:
                 try:
-                    keep = [n for n in self.slurm.job(self.job.job_id).nodes if n not in nodes]
-                    if keep:
+                    held = self.slurm.job(self.job.job_id).nodes
+                    keep = [n for n in held if n not in nodes]
+                    if keep and len(keep) < len(held):  # never a shrink that changes nothing
                         self.slurm.shrink_job(self.job.job_id, keep)
                     return None
                 except SlurmError as err:

@@ -150,3 +150,21 @@ def test_the_tries_end_with_the_job_or_when_they_run_out(tmp_path: Path, monkeyp
     settle(alloc)
     assert slurm.tries == 3 and released(path)[0]["released"] is False  # 1 + 2 tries, then given up
     alloc.close()
+
+
+def test_a_node_asked_out_twice_is_shrunk_once_and_a_shrink_that_changes_nothing_is_never_made(
+        tmp_path: Path) -> None:
+    """A plan made again after a hold names its lost node again; on Slurm 24.11 a shrink to the
+    nodes the job already had left a node merged since with no CPU, its steps pending for good."""
+    slurm = HeldSlurm()
+    alloc, path = allocation(tmp_path, slurm)
+    alloc.shrink_out(["c3"], reason="lost")
+    alloc.shrink_out(["c3"], reason="lost")  # the same loss, planned again
+    slurm.go.set()
+    settle(alloc)
+    assert slurm.shrinks == [["c1", "c2", "c4"]]
+    assert [f["node"] for f in released(path)] == ["c3"]
+    alloc.shrink_out(["c5"], reason="lost")  # not the job's (any more): nothing to ask Slurm
+    settle(alloc)
+    assert slurm.shrinks == [["c1", "c2", "c4"]]
+    alloc.close()
