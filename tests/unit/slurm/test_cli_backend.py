@@ -231,6 +231,21 @@ def test_a_merge_that_fails_gives_the_node_back(fake_runner: FakeRunner) -> None
     assert fake_runner.calls[-1].argv == ("scancel", "9")
 
 
+def test_a_node_the_job_holds_already_is_given_back_not_merged(fake_runner: FakeRunner) -> None:
+    """Slurm shares nodes between allocations: a request made before the job got c3 may be given
+    c3 too. Merging it again took a CPU off the job on 24.11 (4 nodes, 3 CPUs)."""
+    fake_runner.on(["scontrol", "-o", "show", "job", "7"], _job_line(7, "c[1-3]"))
+    salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=5", "--job-name=tp-spare-7"]
+    fake_runner.on([*salloc, "--partition=debug", "--exclude=c[1-3]"], "salloc: Granted job allocation 9\n")
+    fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c3"))
+    fake_runner.on(["scancel", "9"])
+
+    with pytest.raises(SlurmError, match="a node it holds already"):
+        make(fake_runner).expand_job(7, wait_s=5)
+    assert fake_runner.calls[-1].argv == ("scancel", "9")
+    assert not [c for c in fake_runner.calls if "NumNodes=ALL" in c.argv]
+
+
 def test_config_value_reads_one_setting(fake_runner: FakeRunner) -> None:
     fake_runner.on(["scontrol", "show", "config"], "Configuration data as of x\nPrologFlags             = Alloc,Contain\n")
     slurm = make(fake_runner)

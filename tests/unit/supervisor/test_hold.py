@@ -32,6 +32,8 @@ def test_a_loss_with_no_spare_holds_the_step_and_moves_live_when_a_node_comes(li
     wait_thread(h)
     two_losses(h, ranks)
     h.world.at(16.0, lambda: h.slurm.idle.append("c5"))  # a node comes free 6 s into the hold
+    in_flight: list[int] = []
+    h.server.on_poll.append(lambda: in_flight.append(h.supervisor.pool.asking))
 
     result = h.run()
 
@@ -53,6 +55,9 @@ def test_a_loss_with_no_spare_holds_the_step_and_moves_live_when_a_node_comes(li
     assert [d.fields["resolution"] for d in h.of_kind(ev.MIGRATION_DONE)] == ["live", "live"]
     m = h.supervisor.membership
     assert (m.active, m.spares, m.failed) == (("c1", "c4", "c5"), (), ("c2", "c3"))
+    # a spare for the held loss and one for the pool, asked one after the other, never two at
+    # once (two in flight were given the same node on the dev cluster)
+    assert max(in_flight) == 1
 
 
 def test_a_hold_that_no_node_ends_gives_up_after_spare_wait(live: Live) -> None:
