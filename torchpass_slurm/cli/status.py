@@ -126,6 +126,15 @@ def render_status(status: JobStatus, now: float) -> RenderableType:
     parts: list[RenderableType] = [Text(header_line(status, now), style="bold")]
     if status.message:
         parts.append(Text(status.message))
+    if status.holding:
+        left = format_age(max(0.0, (status.holding_until or now) - now))
+        parts.append(
+            Text(
+                f"holding the committed step for a spare to replace {', '.join(status.holding)} "
+                f"(up to {left} more)",
+                style="yellow",
+            )
+        )
     if is_stale(status, now):
         parts.append(
             Text(

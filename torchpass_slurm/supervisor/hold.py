@@ -42,7 +42,7 @@ def begin(
     held = job.holding
     new = tuple(f for f in lost if held is None or f not in held.faults)
     if held is None:
-        job.holding = Holding(lost, clock.time(), clock.monotonic() + spare_wait)
+        job.holding = Holding(lost, clock.time(), clock.monotonic() + spare_wait, spare_wait)
     else:
         job.holding = held.widened(lost)
     if new:

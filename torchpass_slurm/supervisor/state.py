@@ -71,6 +71,8 @@ class Holding:
     faults: tuple[Fault, ...]
     since: float
     until: float
+    #: the wait it was given (seconds): it ends at ``since + wait_s`` in unix time
+    wait_s: float = 0.0
 
     @property
     def nodes(self) -> list[str]:
@@ -79,7 +81,7 @@ class Holding:
     def widened(self, faults: tuple[Fault, ...]) -> Holding:
         """The same wait, now for ``faults`` too (a loss during the hold)."""
         more = tuple(f for f in faults if f not in self.faults)
-        return Holding(self.faults + more, self.since, self.until)
+        return Holding(self.faults + more, self.since, self.until, self.wait_s)
 
 
 @dataclass

@@ -55,6 +55,10 @@ class JobStatus:
     nodes: tuple[NodeStatus, ...] = field(default_factory=tuple)
     restarts: int = 0
     message: str = ""
+    #: the lost nodes the job holds its committed step for, waiting for a spare
+    #: (``supervisor/hold.py``), and when that wait ends (unix time)
+    holding: tuple[str, ...] = ()
+    holding_until: float | None = None
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -69,7 +73,8 @@ class JobStatus:
             nodes = tuple(
                 NodeStatus(**{**n, "ranks": tuple(n.get("ranks", ()))}) for n in data.pop("nodes", ())
             )
-            return cls(**data, nodes=nodes)
+            holding = tuple(data.pop("holding", ()))
+            return cls(**data, nodes=nodes, holding=holding)
         except (ValueError, TypeError) as err:
             raise StatusError(f"malformed status file: {err}") from None
 
@@ -103,6 +108,8 @@ def job_status(job: JobState, run_dir: Path, now: float) -> JobStatus:
         nodes=tuple(nodes),
         restarts=job.restarts,
         message=job.message,
+        holding=tuple(job.holding.nodes) if job.holding else (),
+        holding_until=job.holding.since + job.holding.wait_s if job.holding else None,
     )
 
 

@@ -143,3 +143,14 @@ def test_the_status_file_is_synced_before_it_replaces_the_old_one(
 
     assert calls == ["fsync", "replace"]
     assert read_status(tmp_path) == status
+
+
+def test_a_job_holding_for_a_spare_says_for_which_node_and_how_long_more(run_dir: Path) -> None:
+    write_status(run_dir, job_status(run_dir, state="recovering", message="", holding=("n2",),
+                                     holding_until=NOW + 150))
+    result = tp("status", str(run_dir))
+    assert result.code == 0
+    assert result.out.splitlines()[1] == "holding the committed step for a spare to replace n2 (up to 2m30s more)"
+    doc = json.loads(tp("status", str(run_dir), "--json").out)
+    assert (doc["holding"], doc["holding_until"]) == (["n2"], NOW + 150)
+    assert read_status(run_dir).holding == ("n2",)

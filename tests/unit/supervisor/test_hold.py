@@ -8,6 +8,7 @@ committed step while the pool asks, and the move is live once a node comes.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +101,17 @@ def test_spare_wait_may_be_zero_meaning_never_hold(raw: str, wait: float) -> Non
 def test_a_bad_wait_is_a_clear_error(name: str, raw: str, why: str) -> None:
     with pytest.raises(ConfigError, match=why):
         SupervisorConfig.from_env({name: raw})
+
+
+def test_the_status_snapshot_says_what_the_job_holds_for_and_until_when(tmp_path: Path) -> None:
+    from torchpass_slurm.faults import Detector, Fault
+    from torchpass_slurm.supervisor.membership import Membership
+    from torchpass_slurm.supervisor.state import Holding, JobState
+    from torchpass_slurm.supervisor.status import job_status
+
+    job = JobState(job_id=7, membership=Membership.initial(["c1", "c2", "c3"], 3, 1))
+    assert (job_status(job, tmp_path, 1000.0).holding, job_status(job, tmp_path, 1000.0).holding_until) == ((), None)
+    lost = Fault("c3", Detector.HEARTBEAT_LOST, "c3 silent")
+    job.holding = Holding((lost,), since=990.0, until=5.0e6, wait_s=300.0)
+    status = job_status(job, tmp_path, 1000.0)
+    assert (status.holding, status.holding_until) == (("c3",), 1290.0)
