@@ -96,42 +96,22 @@ def check(c: Cluster, job: TpJob, reference: str, victim: str, second: str, *, r
     assert final_hash(job) == reference
 
 
-def submit_with_two_spares(c: Cluster) -> TpJob:
-    return submit(c, "--supervisor-partition", SERVICE_PARTITION, "-N", "3", "--spares", "2",
-                  train_args=ARGS, env=ENV)
+#: (who dies in the donor's wait, how, whether the spare keeps the chunks it had received)
+DEATHS = [
+    pytest.param("donor", "process", True, id="donor-process"),
+    pytest.param("donor", "node", True, id="donor-node"),
+    pytest.param("receiver", "node", False, id="receiving-spare-node"),  # its chunks die with it
+    pytest.param("bystander", "process", True, id="survivor-in-the-barrier-process"),
+]
 
 
-def test_a_donor_whose_process_dies_mid_stream_is_replaced_and_the_move_stays_live(
-    healthy_cluster: Cluster, reference: str
+@pytest.mark.parametrize(("who", "how", "resumed"), DEATHS)
+def test_a_death_mid_stream_folds_into_one_live_recovery(
+    healthy_cluster: Cluster, reference: str, who: str, how: str, resumed: bool
 ) -> None:
     c = healthy_cluster
-    job = submit_with_two_spares(c)
-    victim, donor = kill_mid_stream(c, job, "donor", lambda node: kill_rank(c, node))
-    check(c, job, reference, victim, donor, resumed=True)
-
-
-def test_a_donor_whose_node_dies_mid_stream_is_replaced_and_the_move_stays_live(
-    healthy_cluster: Cluster, reference: str
-) -> None:
-    c = healthy_cluster
-    job = submit_with_two_spares(c)
-    victim, donor = kill_mid_stream(c, job, "donor", c.kill)
-    check(c, job, reference, victim, donor, resumed=True)
-
-
-def test_a_spare_whose_node_dies_while_it_receives_is_replaced_by_the_next_spare(
-    healthy_cluster: Cluster, reference: str
-) -> None:
-    c = healthy_cluster
-    job = submit_with_two_spares(c)
-    victim, spare = kill_mid_stream(c, job, "receiver", c.kill)
-    check(c, job, reference, victim, spare, resumed=False)  # its chunks died with it
-
-
-def test_a_survivor_killed_in_the_handover_barrier_is_replaced_and_the_move_stays_live(
-    healthy_cluster: Cluster, reference: str
-) -> None:
-    c = healthy_cluster
-    job = submit_with_two_spares(c)
-    victim, bystander = kill_mid_stream(c, job, "bystander", lambda node: kill_rank(c, node))
-    check(c, job, reference, victim, bystander, resumed=True)
+    job = submit(c, "--supervisor-partition", SERVICE_PARTITION, "-N", "3", "--spares", "2",
+                 train_args=ARGS, env=ENV)
+    kill = c.kill if how == "node" else (lambda node: kill_rank(c, node))
+    victim, second = kill_mid_stream(c, job, who, kill)
+    check(c, job, reference, victim, second, resumed=resumed)
