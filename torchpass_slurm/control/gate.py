@@ -31,8 +31,9 @@ from collections import OrderedDict
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from torchpass_slurm.control.client import configure_socket
 from torchpass_slurm.control.refusals import RefusalLog
-from torchpass_slurm.control.security import CurveKeys, SocketLimits
+from torchpass_slurm.control.security import CurveKeys, SocketLimits, make_curve_server
 from torchpass_slurm.errors import ControlPlaneError
 
 __all__ = ["Gatekeeper", "ZAP_ENDPOINT", "HANDSHAKE_SLACK_S"]
@@ -215,3 +216,56 @@ def _shut_down(fd: int, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def bracket(host: str) -> str:
+    """An IPv6 literal in brackets, as a tcp:// endpoint needs it."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+class GuardedRouter:
+    """A ROUTER socket of the job: a CURVE server behind its :class:`Gatekeeper`, bound.
+
+    The one way the job's servers (the control plane, the job store) open their socket:
+    ``options`` are set before the bind, ``host`` "" or "*" binds every interface, ``port``
+    0 a free port (:attr:`port`). A bind that fails closes everything and raises
+    ControlPlaneError naming ``name`` and the address. :meth:`close` closes the socket, the
+    gate, then the context, in that order (a context is never left to the collector).
+    """
+
+    def __init__(
+        self,
+        keys: CurveKeys,
+        limits: SocketLimits,
+        host: str,
+        port: int,
+        *,
+        name: str,
+        what: str,
+        options: dict[int, int] | None = None,
+    ) -> None:
+        self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.LINGER, 0)
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        configure_socket(self.sock, limits)
+        for option, value in (options or {}).items():
+            self.sock.setsockopt(option, value)
+        make_curve_server(self.sock, keys)
+        self.gate = Gatekeeper(self.ctx, self.sock, keys, limits, what=what)
+        address = f"tcp://{bracket(host or '*')}:{port or '*'}"
+        if ":" in host:
+            self.sock.setsockopt(zmq.IPV6, 1)
+        try:
+            self.sock.bind(address)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ControlPlaneError(f"cannot bind {name} to {address}: {exc}") from None
+        #: the port bound (the one asked for, or the free one found)
+        self.port = int(self.sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self.gate.start(self.port)
+
+    def close(self) -> None:
+        """Close the socket at once (unsent messages are dropped), the gate, the context."""
+        self.sock.close(linger=0)
+        self.gate.close()
+        self.ctx.term()

@@ -30,8 +30,8 @@ from typing import Any
 
 import zmq
 
-from torchpass_slurm.control.client import configure_socket, timeout_ms
-from torchpass_slurm.control.gate import Gatekeeper
+from torchpass_slurm.control.client import timeout_ms
+from torchpass_slurm.control.gate import GuardedRouter, bracket
 from torchpass_slurm.control.messages import (
     DEFAULT_MAX_SKEW_S,
     SUPERVISOR,
@@ -46,7 +46,6 @@ from torchpass_slurm.control.security import (
     DEFAULT_LIMITS,
     SocketLimits,
     derive_keys,
-    make_curve_server,
     raise_fd_limit,
 )
 from torchpass_slurm.errors import ControlPlaneError
@@ -90,18 +89,21 @@ class ControlServer:
         self._peers: dict[str, bytes] = {}
         self._names: dict[bytes, str] = {}  # peer id -> the sender it last spoke as
         self.fd_limit = raise_fd_limit()
-        self._ctx = zmq.Context()
-        self._ctx.setsockopt(zmq.LINGER, 0)
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        configure_socket(self._sock, limits)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: an error, not silence
-        make_curve_server(self._sock, derive_keys(secret))
-        self._gate = Gatekeeper(self._ctx, self._sock, derive_keys(secret), limits)
-        self.port = self._bind(bind_host, port)
-        self._gate.start(self.port)
+        self._router = GuardedRouter(
+            derive_keys(secret),
+            limits,
+            bind_host,
+            port,
+            name="the control plane",
+            what="a control-plane connection",
+            options={zmq.ROUTER_MANDATORY: 1},  # unknown peer: an error, not silence
+        )
+        self._sock, self._gate, self.port = self._router.sock, self._router.gate, self._router.port
+        if bind_host in _WILDCARD_HOSTS:
+            logger.warning("the control plane listens on every interface (port %d)", self.port)
         host = advertise_host or (socket.gethostname() if bind_host in _WILDCARD_HOSTS else bind_host)
         #: Where workers connect: ``tcp://HOST:PORT`` (goes to TORCHPASS_CONTROL).
-        self.endpoint = f"tcp://{_bracket(host)}:{self.port}"
+        self.endpoint = f"tcp://{bracket(host)}:{self.port}"
         logger.info("control plane listening on %s (bound %s:%d)", self.endpoint, bind_host, self.port)
 
     def poll(self, timeout: timedelta) -> list[tuple[bytes, Message]]:
@@ -176,29 +178,13 @@ class ControlServer:
 
     def close(self) -> None:
         """Close the socket at once (unsent messages are dropped)."""
-        self._sock.close(linger=0)
-        self._gate.close()
-        self._ctx.term()
+        self._router.close()
 
     def __enter__(self) -> ControlServer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def _bind(self, host: str, port: int) -> int:
-        address = f"tcp://{_bracket(host or '*')}:{port or '*'}"
-        if ":" in host:
-            self._sock.setsockopt(zmq.IPV6, 1)
-        try:
-            self._sock.bind(address)
-        except zmq.ZMQError as exc:
-            self.close()
-            raise ControlPlaneError(f"cannot bind the control plane to {address}: {exc}") from None
-        if host in _WILDCARD_HOSTS:
-            logger.warning("the control plane listens on every interface (%s)", address)
-        last = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        return int(last.rsplit(":", 1)[1])
 
     def _drain(self) -> list[tuple[bytes, Message]]:
         accepted: list[tuple[bytes, Message]] = []
@@ -214,11 +200,6 @@ class ControlServer:
                 self._names[peer_id] = msg.sender
                 accepted.append((peer_id, msg))
         return accepted
-
-
-def _bracket(host: str) -> str:
-    """An IPv6 literal in brackets, as a tcp:// endpoint needs it."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def job_address(host: str) -> str:

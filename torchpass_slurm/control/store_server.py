@@ -41,14 +41,13 @@ from datetime import timedelta
 
 import zmq
 
-from torchpass_slurm.control.client import configure_socket, timeout_ms
-from torchpass_slurm.control.gate import Gatekeeper
+from torchpass_slurm.control.client import timeout_ms
+from torchpass_slurm.control.gate import GuardedRouter
 from torchpass_slurm.control.refusals import RefusalLog, cause_of
 from torchpass_slurm.control.security import (
     DEFAULT_LIMITS,
     SocketLimits,
     derive_keys,
-    make_curve_server,
     raise_fd_limit,
 )
 from torchpass_slurm.control.store_wire import (
@@ -63,7 +62,6 @@ from torchpass_slurm.control.store_wire import (
     parse_int,
     parse_request,
 )
-from torchpass_slurm.errors import ControlPlaneError
 
 __all__ = ["StoreServer", "StoreLimits", "DEFAULT_STORE_LIMITS"]
 
@@ -121,25 +119,16 @@ class StoreServer:
         #: requests refused, by cause (malformed, over a limit)
         self.refusals = RefusalLog(logger, "refused a store request")
         self.fd_limit = raise_fd_limit()
-        self._ctx = zmq.Context()
-        self._ctx.setsockopt(zmq.LINGER, 0)
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        configure_socket(self._sock, socket_limits)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_VALUE_BYTES + (64 << 10))
-        keys = derive_keys(secret, plane="store")
-        make_curve_server(self._sock, keys)
-        self._gate = Gatekeeper(self._ctx, self._sock, keys, socket_limits, what="a store connection")
-        address = f"tcp://{bind_host}:{port or '*'}"
-        if ":" in bind_host:
-            self._sock.setsockopt(zmq.IPV6, 1)
-            address = f"tcp://[{bind_host}]:{port or '*'}"
-        try:
-            self._sock.bind(address)
-        except zmq.ZMQError as exc:
-            self.close()
-            raise ControlPlaneError(f"cannot bind the job's store to {address}: {exc}") from None
-        self.port = int(self._sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-        self._gate.start(self.port)
+        self._router = GuardedRouter(
+            derive_keys(secret, plane="store"),
+            socket_limits,
+            bind_host,
+            port,
+            name="the job's store",
+            what="a store connection",
+            options={zmq.MAXMSGSIZE: MAX_VALUE_BYTES + (64 << 10)},
+        )
+        self._sock, self._gate, self.port = self._router.sock, self._router.gate, self._router.port
 
     @property
     def refused_connections(self) -> RefusalLog:
@@ -170,9 +159,7 @@ class StoreServer:
         self._expire()
 
     def close(self) -> None:
-        self._sock.close(linger=0)
-        self._gate.close()
-        self._ctx.term()
+        self._router.close()
 
     # -- requests --------------------------------------------------------------------------
     def _handle(self, peer: bytes, frames: list[bytes]) -> None:

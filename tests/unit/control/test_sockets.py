@@ -195,3 +195,18 @@ def test_bad_endpoint_is_a_control_plane_error() -> None:
 def test_port_in_use_is_a_control_plane_error(server: ControlServer) -> None:
     with pytest.raises(ControlPlaneError, match="cannot bind"):
         ControlServer(SECRET, "127.0.0.1", server.port)
+
+
+def test_a_port_in_use_names_which_server_and_leaves_no_gate_running(server: ControlServer) -> None:
+    """Both servers open their socket through one GuardedRouter: a failed bind closes its gate's
+    thread and its context, and says which server could not bind where."""
+    import threading
+
+    from torchpass_slurm.control.store_server import StoreServer
+
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ControlPlaneError, match=rf"cannot bind the job's store to tcp://127.0.0.1:{server.port}"):
+        StoreServer(SECRET, "127.0.0.1", server.port)
+    with pytest.raises(ControlPlaneError, match=rf"cannot bind the control plane to tcp://127.0.0.1:{server.port}"):
+        ControlServer(SECRET, "127.0.0.1", server.port)
+    assert {t.name for t in threading.enumerate()} <= before
