@@ -454,20 +454,8 @@ def _phases(cause: _Cause, recovery: _Recovery) -> Phases:
     """Consecutive intervals last heartbeat -> detected -> ... -> first_step (a drain has no heartbeat)."""
     detected = _ts(cause.mark)
     heartbeat = _last_heartbeat(recovery.started, cause.node) if cause.fault_class == "unplanned" else None
-    marks = [
-        heartbeat,
-        detected,
-        *(
-            _ts(e)
-            for e in (
-                recovery.started,
-                recovery.rebuilt,
-                recovery.agreement,
-                recovery.transfer,
-                recovery.first_step,
-            )
-        ),
-    ]
+    ends = (recovery.started, recovery.rebuilt, recovery.agreement, recovery.transfer, recovery.first_step)
+    marks = [heartbeat, detected, *(_ts(e) for e in ends)]
     # The ranks' reports reach the supervisor in any order: a rank's group_rebuilt can
     # be logged after the agreement, which needs every rank's group. Each phase ended
     # by the time the next one did, so an earlier mark is capped by the later ones.
