@@ -74,8 +74,7 @@ class Allocation:
     def shrink_out(self, nodes: list[str], *, reason: str) -> None:
         """Shrink the job to its other nodes, on the shrink thread; :meth:`collect` logs a
         NODE_RELEASED event per node once it is done. A node asked out before is not asked
-        again (measured on Slurm 24.11: a shrink to the nodes the job already had left a node
-        merged into it since with no CPU, and its steps pending for good)."""
+        again: a plan made again after a hold (``supervisor/hold.py``) names its losses again."""
         nodes = [n for n in nodes if n not in self._asked]
         if not nodes:
             return

@@ -6,8 +6,9 @@ Giving up would throw that state away, so the plan is ``hold``
 (``supervisor/plan.py``): the lost step is stopped and recorded as any loss,
 the survivors, whose collective failed, keep their processes and the
 committed step in memory and wait for their reconfigure, and the pool asks
-for a node for each held loss on top of its target. A node that lost only
-its rank (``plan.outlived``) is given back and counts as one coming.
+for a node for each held loss on top of its target. A held node keeps its
+slot (it is not given back to the pool): with no spare the planner restarts
+in place on a node that only lost its rank, and holds only when it cannot.
 
 Each loop pass, :func:`due` says when to hand the held faults back to the planner: once
 the pool holds a spare for each of them (the move is then live, its
