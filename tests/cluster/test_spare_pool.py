@@ -5,8 +5,8 @@ row an active node is powered off and, once the job moved off it, powered on
 again, as a site repairs a node. Each loss is a live migration onto the
 spare; after each, ``tp run`` asks Slurm for a node by job expansion and
 starts a standby on it, so the pool is whole again before the next loss: the
-idle node first, then the first repaired one, which the pool asks back only
-``SlurmdTimeout`` (30 s here) after its loss. The final state is bitwise
+idle node first, then the first repaired one, which the pool asks back once
+its slurmd has started again. The final state is bitwise
 equal to the fault-free run's (the steps only sleep longer, which changes no
 number). ``TP_SPARE_POOL_KILLS`` runs more losses (the training is sized for
 three).

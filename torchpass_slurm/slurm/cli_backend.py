@@ -26,7 +26,7 @@ from torchpass_slurm.slurm.parse import (
     parse_version,
 )
 from torchpass_slurm.slurm.runner import CommandResult, Runner, SubprocessRunner
-from torchpass_slurm.slurm.scontrol_text import parse_scontrol_job
+from torchpass_slurm.slurm.scontrol_text import parse_scontrol_job, parse_scontrol_nodes
 from torchpass_slurm.slurm.steps import srun_argv, step_env
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,12 @@ EXPANSION_BLOCKER = "Alloc"
 
 #: What makes the SPANK plugin add spares to a request; a refill's salloc must not carry it.
 _SPARES_ENV = ("TORCHPASS_SPARES", "SPANK_TORCHPASS_SPARES")
+
+
+def expansion_name(job_id: int) -> str:
+    """The name of the one-node allocation that grows ``job_id`` (``tp-spare-JOB``)."""
+    return f"tp-spare-{job_id}"
+
 
 _JOB_GONE_HINT = (
     "the job may have ended and been purged from slurmctld (MinJobAge); "
@@ -237,7 +243,7 @@ class CliSlurm:
         job = self.job(job_id)
         avoid = sorted(set(job.nodes) | set(exclude))
         argv = ["salloc", "--no-shell", "-N1", f"--dependency=expand:{job_id}", f"--immediate={wait_s}"]
-        argv.append(f"--job-name=tp-spare-{job_id}")
+        argv.append(f"--job-name={expansion_name(job_id)}")
         if job.partition:
             argv.append(f"--partition={job.partition}")
         if avoid:
@@ -245,7 +251,13 @@ class CliSlurm:
         # Not the job's own spares: the SPANK plugin would turn this one node into 1 + S
         # (measured: salloc inherited TORCHPASS_SPARES from the job and asked for 2 nodes).
         env = {k: v for k, v in os.environ.items() if k not in _SPARES_ENV}
-        result = self.runner.run(argv, env=env, timeout=wait_s + 30)
+        try:
+            result = self.runner.run(argv, env=env, timeout=wait_s + 30)
+        except SlurmError:
+            # salloc withdraws its own request when --immediate runs out, not when it is killed
+            # (a timeout here): a request left pending would hold a node for nobody once granted
+            self.cancel_expansion(job_id)
+            raise
         granted = _GRANTED.search(result.stderr + result.stdout)
         if granted is None:
             raise SlurmError(
@@ -269,6 +281,21 @@ class CliSlurm:
             raise
         logger.info("expanded job %d by %s (through job %d)", job_id, ",".join(nodes), new_id)
         return nodes
+
+    def cancel_expansion(self, job_id: int) -> None:
+        """Withdraw a request to grow ``job_id`` (:meth:`expand_job`) that is still pending or
+        granted but not merged: ``scancel --name`` its allocation. Nothing to withdraw is no
+        error; a merged request has ended already (Slurm ends it as it moves its node)."""
+        self._run(["scancel", f"--name={expansion_name(job_id)}"])
+
+    def slurmd_started(self, names: Iterable[str]) -> dict[str, float]:
+        """When slurmd last started on each of ``names`` that Slurm knows and says it of
+        (epoch seconds; ``scontrol -o show node``): a node restarted after a loss is alive."""
+        wanted = sorted(set(names))
+        if not wanted:
+            return {}
+        out = self._run(["scontrol", "-o", "show", "node", hostlist.compress(wanted)]).stdout
+        return {n.name: n.slurmd_started for n in parse_scontrol_nodes(out) if n.slurmd_started is not None}
 
     def config_value(self, key: str) -> str | None:
         """One setting of slurmctld's running configuration (``scontrol show config``), or None."""

@@ -42,6 +42,8 @@ class Node:
     reason: str | None = None
     partitions: tuple[str, ...] = ()
     cpus: int | None = None
+    #: when slurmd last started on the node (epoch seconds); only ``scontrol show node`` says
+    slurmd_started: float | None = None
 
     @property
     def state_text(self) -> str:

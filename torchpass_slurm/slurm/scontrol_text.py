@@ -12,6 +12,7 @@ single word in the middle.
 from __future__ import annotations
 
 import re
+from datetime import datetime
 
 from torchpass_slurm.errors import SlurmParseError
 from torchpass_slurm.slurm.models import Job, Node
@@ -132,4 +133,16 @@ def _node(rec: dict[str, str], what: str) -> Node:
         reason=reason or None,
         partitions=tuple(partitions.split(",")) if partitions else (),
         cpus=int(cpus) if cpus and cpus.isdigit() else None,
+        slurmd_started=_local_time(_opt(rec, "SlurmdStartTime")),
     )
+
+
+def _local_time(text: str | None) -> float | None:
+    """``2026-12-06T00:03:14`` (scontrol prints the caller's local time) as epoch seconds, or
+    None when Slurm gives none (``None``, ``Unknown``) or something else."""
+    if not text:
+        return None
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None

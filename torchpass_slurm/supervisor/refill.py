@@ -25,12 +25,19 @@ no more. :class:`SparePool` keeps the pool at S for the job's whole life:
   while one is in flight, whose plan fixed the membership), or while the job
   holds its step for one (``supervisor/hold.py``: the pool then asks for a
   node per held loss on top of its target): the loop takes it
-  with :meth:`ready` and launches its standby step. A node the job lost and
-  that Slurm gives back (repaired and idle again) joins like any other, but
-  not within ``SlurmdTimeout`` of its loss: until then Slurm may still call a
-  dead node idle and grant it (measured: a node powered off 2 s earlier was
-  granted, and its standby step died). The prolog runs at the node's first
-  step.
+  with :meth:`ready` and launches its standby step. The prolog runs at the
+  node's first step.
+* **A lost node comes back only once it is alive.** Slurm calls a dead node
+  idle until it has missed ``SlurmdTimeout`` of pings, and grants it: a node
+  powered off 2 s earlier was granted at once, and slurmctld took 30 to 56 s
+  (``SlurmdTimeout`` 30 s) to set a powered-off node down. A dead node merged
+  into the job is worse than a failed standby: when Slurm sets it down it
+  leaves the job, and once powered on again it stays ALLOCATED with no job on
+  it until ``scontrol reconfigure`` (Slurm 24.11, measured). So a node the job
+  lost is asked back only once its slurmd has started again since the loss
+  (repaired: ``scontrol show node``'s ``SlurmdStartTime``), or
+  :data:`UNNOTICED_FACTOR` times ``SlurmdTimeout`` after the loss, when Slurm
+  has set it down if it is dead.
 
 A node that outlived its rank's fault (``supervisor/plan.py``, ``outlived``:
 a crashed or hung process on a node Slurm calls usable) comes back first:
@@ -61,6 +68,8 @@ __all__ = ["SparePool", "Granted", "DEFAULT_SLURMD_TIMEOUT_S"]
 
 #: Slurm's default SlurmdTimeout, used when slurmctld's cannot be read.
 DEFAULT_SLURMD_TIMEOUT_S = 300.0
+#: How many SlurmdTimeouts a dead node may still look alive to Slurm (1.9 measured).
+UNNOTICED_FACTOR = 3
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +110,8 @@ class SparePool:
         self._next_try = 0.0
         self._blocked: str | None = None  # why the pool never asks again (said once)
         self._checked = False  # PrologFlags read (on the pool's thread)
-        #: when each node the job lost was first seen lost (monotonic)
-        self._lost: dict[str, float] = {}
+        #: when each node the job lost was first seen lost (monotonic, wall)
+        self._lost: dict[str, tuple[float, float]] = {}
         #: Slurm's SlurmdTimeout: how long a dead node may still look idle to it (read once)
         self._slurmd_timeout = DEFAULT_SLURMD_TIMEOUT_S
         self._closing = threading.Event()
@@ -130,7 +139,7 @@ class SparePool:
         """Collect what Slurm answered, and ask again while the pool is short (the loop's thread)."""
         self._collect()
         for node in self.job.membership.failed:
-            self._lost.setdefault(node, self.clock.monotonic())
+            self._lost.setdefault(node, (self.clock.monotonic(), self.clock.time()))
         if self.target <= 0 or self.job.state not in (RunState.RUNNING, RunState.RECOVERING):
             return
         coming = self.asking + len(self._granted) + len(self._returning)
@@ -188,20 +197,27 @@ class SparePool:
         return step is None or step.poll() is not None
 
     def close(self) -> None:
-        """No more requests; a grant that arrives later is logged and left to the job's end."""
+        """No more requests. One still pending is withdrawn: the supervisor's end would leave
+        its salloc to be granted a node that nobody merges; a grant merged meanwhile ends with
+        the job."""
         self._closing.set()
+        if not self.asking:
+            return
+        try:
+            self.slurm.cancel_expansion(self.job.job_id)
+        except SlurmError as err:
+            logger.warning("could not withdraw the request for a spare: %s", err)
 
     # -- Slurm, on the pool's thread --------------------------------------------------
-    def _ask(self, requested_at: float, lost: dict[str, float]) -> None:
+    def _ask(self, requested_at: float, lost: dict[str, tuple[float, float]]) -> None:
         try:
             blocker = self._blocker()
             if blocker is not None:
                 self._outcomes.put((requested_at, None, blocker, True))
                 return
             # never a node the job gave back as drained (maintenance, a bad health check), nor
-            # one it lost so recently that Slurm may not know yet that it is dead
-            recent = {n for n, at in lost.items() if requested_at - at < self._slurmd_timeout}
-            exclude = sorted(set(self.job.released) | recent)
+            # one it lost that may be dead though Slurm does not know it yet
+            exclude = sorted(set(self.job.released) | self._maybe_dead(requested_at, lost))
             nodes = self.slurm.expand_job(
                 self.job.job_id, wait_s=round(self.config.refill_wait), exclude=exclude
             )
@@ -211,6 +227,20 @@ class SparePool:
         except Exception as err:  # deliberately broad: the thread must report, not die silently
             logger.exception("asking Slurm for a spare failed")
             self._outcomes.put((requested_at, None, repr(err), False))
+
+    def _maybe_dead(self, now: float, lost: dict[str, tuple[float, float]]) -> set[str]:
+        """The lost nodes Slurm might still grant though they are dead: lost less than
+        :data:`UNNOTICED_FACTOR` SlurmdTimeouts ago, and their slurmd not started since."""
+        window = UNNOTICED_FACTOR * self._slurmd_timeout
+        suspects = {n: wall for n, (at, wall) in lost.items() if now - at < window}
+        if not suspects:
+            return set()
+        try:
+            started = self.slurm.slurmd_started(suspects)
+        except SlurmError as err:
+            logger.info("could not read when slurmd started on %s (%s)", ",".join(suspects), err)
+            return set(suspects)
+        return {n for n, wall in suspects.items() if started.get(n, 0.0) <= wall}
 
     def _blocker(self) -> str | None:
         """Why this cluster cannot refill (read once, on the first request), or None."""

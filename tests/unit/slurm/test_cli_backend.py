@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -244,6 +245,27 @@ def test_a_node_the_job_holds_already_is_given_back_not_merged(fake_runner: Fake
         make(fake_runner).expand_job(7, wait_s=5)
     assert fake_runner.calls[-1].argv == ("scancel", "9")
     assert not [c for c in fake_runner.calls if "NumNodes=ALL" in c.argv]
+
+
+def test_a_salloc_killed_at_its_timeout_has_its_request_withdrawn(fake_runner: FakeRunner) -> None:
+    """salloc withdraws its request when --immediate runs out, but not when it is killed: a
+    request left pending would be granted a node that nobody merges."""
+    fake_runner.on(["scontrol", "-o", "show", "job", "7"], _job_line(7, "c1"))
+    salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=5", "--job-name=tp-spare-7"]
+    fake_runner.on([*salloc, "--partition=debug", "--exclude=c1"], SlurmTimeoutError(salloc, 35))
+    fake_runner.on(["scancel", "--name=tp-spare-7"])
+
+    with pytest.raises(SlurmTimeoutError):
+        make(fake_runner).expand_job(7, wait_s=5)
+    assert fake_runner.calls[-1].argv == ("scancel", "--name=tp-spare-7")
+
+
+def test_slurmd_started_reads_scontrol_for_the_nodes_asked(fake_runner: FakeRunner) -> None:
+    fake_runner.on(["scontrol", "-o", "show", "node", "n[1-2]"],
+                   fixture_text("24.11", "scontrol_show_node_idle.txt"))
+    started = make(fake_runner).slurmd_started(["n2", "n1"])
+    assert started == dict.fromkeys(["n1", "n2"], datetime.fromisoformat("2026-11-30T08:45:14").timestamp())
+    assert make(fake_runner).slurmd_started([]) == {}
 
 
 def test_config_value_reads_one_setting(fake_runner: FakeRunner) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import pytest
 
 from torchpass_slurm.errors import SlurmParseError
@@ -44,6 +46,21 @@ def test_idle_nodes(version: str) -> None:
         ("n1", "IDLE", None, ("debug",), 2),
         ("n2", "IDLE", None, ("debug",), 2),
     ]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_when_slurmd_started_is_read_as_local_time(version: str) -> None:
+    started = {"22.05": "2026-11-30T08:42:32", "24.11": "2026-11-30T08:45:14"}[version]
+    nodes = parse_scontrol_nodes(fixture_text(version, "scontrol_show_node_idle.txt"))
+    assert [n.slurmd_started for n in nodes] == [datetime.fromisoformat(started).timestamp()] * 2
+
+
+@pytest.mark.parametrize("value", ["None", "Unknown", "(null)", "yesterday"])
+def test_a_slurmd_start_slurm_does_not_give_is_none(value: str) -> None:
+    text = fixture_text("24.11", "scontrol_show_node_idle.txt").splitlines()[0]
+    text = text.replace("SlurmdStartTime=2026-11-30T08:45:14", f"SlurmdStartTime={value}")
+    (node,) = parse_scontrol_nodes(text)
+    assert node.slurmd_started is None and node.state == "IDLE"
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -155,6 +155,9 @@ class FakeSlurm:
         self.prolog_flags = ""
         self.slurmd_timeout = "300 sec"
         self.expansions: list[tuple[str, ...]] = []  # nodes each expand_job() gave (or () refused)
+        self.withdrawn = 0  # cancel_expansion() calls
+        #: node -> when its slurmd started (wall seconds); a node not here says nothing
+        self.started: dict[str, float] = {}
         self.unset_env: dict[str, tuple[str, ...]] = {}  # node -> unset_env of its last launch
 
     def set_node(self, name: str, state: str = "ALLOCATED", *flags: str, reason: str | None = None) -> None:
@@ -192,6 +195,12 @@ class FakeSlurm:
         self.set_node(free[0])
         self.expansions.append((free[0],))
         return (free[0],)
+
+    def cancel_expansion(self, job_id: int) -> None:
+        self.withdrawn += 1
+
+    def slurmd_started(self, names: Iterable[str]) -> dict[str, float]:
+        return {n: self.started[n] for n in names if n in self.started}
 
     def config_value(self, key: str) -> str | None:
         return {"PrologFlags": self.prolog_flags, "SlurmdTimeout": self.slurmd_timeout}.get(key)

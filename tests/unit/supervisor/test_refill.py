@@ -7,12 +7,14 @@ expansion runs on the dev cluster (``tests/cluster/test_spare_pool.py``).
 
 from __future__ import annotations
 
+import threading
 import time
 
 from torchpass_slurm import events as ev
 from torchpass_slurm.errors import SlurmError
 from torchpass_slurm.slurm.steps import EXPANDED_NODE_UNSET
 from torchpass_slurm.supervisor.loop import RunState
+from torchpass_slurm.supervisor.refill import UNNOTICED_FACTOR
 
 from .conftest import CONFIG, Harness, Live, at_of
 
@@ -95,18 +97,47 @@ def test_without_refill_nothing_is_asked(live: Live) -> None:
     assert h.slurm.expansions == [] and not h.of_kind(ev.SPARE_REQUESTED)
 
 
-def test_a_lost_node_is_not_asked_back_before_slurm_can_know_it_is_dead(live: Live) -> None:
-    """Until SlurmdTimeout after a loss Slurm may call a dead node idle; a repaired node after."""
+def test_a_repaired_node_is_asked_back_once_its_slurmd_started_again(live: Live) -> None:
+    """Slurm may call a dead node idle (it has not noticed yet): a lost node is asked back once
+    its slurmd started again since the loss, though SlurmdTimeout has not passed."""
     h, ranks = live(refill=True)
     wait_thread(h)
-    h.slurm.slurmd_timeout = "6 sec"
+    h.slurm.slurmd_timeout = "60 sec"
+    h.slurm.started["c2"] = h.clock.time()  # slurmd up since the start
     h.world.go_silent("c2", at=3.0)
     ranks.fail_collective("c1", at=3.5)
-    def repaired() -> None:  # powered on again, idle in Slurm's eyes
+    h.world.at(4.0, lambda: h.slurm.idle.append("c2"))  # idle to Slurm already: it has not noticed
+
+    def repaired() -> None:  # powered on again: a new slurmd
         h.world.silent.discard("c2")
+        h.slurm.started["c2"] = h.clock.time()
 
     h.world.at(8.0, repaired)
-    h.world.at(4.0, lambda: h.slurm.idle.append("c2"))  # idle to Slurm already: it has not noticed
+
+    result = h.run()
+
+    assert result.state == RunState.SUCCEEDED
+    (added,) = h.of_kind(ev.SPARE_ADDED)
+    assert added.fields["node"] == "c2"
+    assert 8.0 <= at_of(h, added) < 8.0 + 2 * CONFIG.refill_retry
+    assert h.of_kind(ev.SPARE_REFUSED), "the first requests excluded c2 and found nothing"
+    m = h.supervisor.membership
+    assert (m.spares, m.failed) == (("c2",), ())
+
+
+def test_a_lost_node_that_never_restarted_waits_until_slurm_must_know_it_is_dead(live: Live) -> None:
+    """A lost node Slurm calls idle may be dead: it is never merged into the job (Slurm would
+    keep it ALLOCATED for good once it came back) until UNNOTICED_FACTOR SlurmdTimeouts after
+    the loss, by when Slurm has set it down if it is. Here it was cut off from the job only, and
+    its slurmd never restarted."""
+    h, ranks = live(refill=True)
+    wait_thread(h)
+    h.slurm.slurmd_timeout = "2 sec"
+    h.slurm.started["c2"] = h.clock.time()
+    h.world.go_silent("c2", at=3.0)
+    ranks.fail_collective("c1", at=3.5)
+    h.world.at(4.0, lambda: h.slurm.idle.append("c2"))
+    h.world.at(8.0, lambda: h.world.silent.discard("c2"))  # reachable again, the same slurmd
 
     result = h.run()
 
@@ -114,10 +145,29 @@ def test_a_lost_node_is_not_asked_back_before_slurm_can_know_it_is_dead(live: Li
     (lost,) = h.of_kind(ev.HEARTBEAT_LOST)
     (added,) = h.of_kind(ev.SPARE_ADDED)
     assert added.fields["node"] == "c2"
-    assert at_of(h, added) >= at_of(h, lost) + 6.0
-    assert h.of_kind(ev.SPARE_REFUSED), "the first request excluded c2 and found nothing"
-    m = h.supervisor.membership
-    assert (m.spares, m.failed) == (("c2",), ())
+    assert at_of(h, added) >= at_of(h, lost) + UNNOTICED_FACTOR * 2.0
+    assert len(h.of_kind(ev.SPARE_REFUSED)) >= 2
+
+
+def test_a_request_still_pending_at_the_end_is_withdrawn(live: Live) -> None:
+    """The supervisor's end must not leave a salloc to be granted a node nobody merges."""
+    h, ranks = live(refill=True)
+    release = threading.Event()
+
+    def slow_expand(job_id: int, *, wait_s: int, exclude: object = ()) -> tuple[str, ...]:
+        release.wait(30)
+        raise SlurmError("salloc: Job allocation 99 has been revoked")
+
+    h.slurm.expand_job = slow_expand  # type: ignore[method-assign]
+    h.world.go_silent("c2", at=3.0)
+    ranks.fail_collective("c1", at=3.5)
+
+    result = h.run()
+    release.set()
+
+    assert result.state == RunState.SUCCEEDED
+    assert h.of_kind(ev.SPARE_REQUESTED) and h.supervisor.pool.asking == 1
+    assert h.slurm.withdrawn == 1
 
 
 def test_a_job_of_several_tasks_per_node_is_not_refilled_and_says_why(live: Live) -> None:
