@@ -93,7 +93,7 @@ RESTARTED = "restarted"  # fell back to checkpoint-restart
 FINISHED = "finished"  # the training ended well (exit_code=, restarts=, supervisor_cpu_s=, srun_cpu_s=)
 FAILED = "failed"  # the job gave up
 # live migration (docs/protocol.md, "Recovery"); the fields each carries are listed there
-MIGRATION_STARTED = "migration_started"  # supervisor: failed nodes -> spares, new epoch announced
+MIGRATION_STARTED = "migration_started"  # supervisor: failed nodes -> spares, new epoch (chained_from=)
 GROUP_REBUILT = "group_rebuilt"  # a rank: the new epoch's process group is up (seconds=)
 AGREEMENT = "agreement"  # rank 0: the committed step every rank now holds (committed_step=)
 TRANSFER_DONE = "transfer_done"  # a receiver: state received (donor=, bytes=, seconds=, retries=)

@@ -38,9 +38,13 @@ The rules:
 * **Recovery.** Opened by the first fault while none is open (a detection,
   or a planned ``migration_started``); more faults before it ends join it (and
   share its outcome). It ends at ``migration_done``, ``restarted``, ``failed``
-  or ``finished``. Migration events (``group_rebuilt``, ``agreement``,
-  ``transfer_done``, ``first_step``, ``migration_done``) belong to the
-  recovery whose ``migration_started`` has their epoch, else to the open one.
+  or ``finished``. A ``migration_started`` with ``chained_from`` continues the
+  recovery of that epoch (a fault during a recovery, a live move that fell
+  back to a restart, a restart before the ranks resumed): the faults since
+  join it, and its one ``migration_done`` gives the chain's steps. Migration
+  events (``group_rebuilt``, ``agreement``, ``transfer_done``, ``first_step``,
+  ``migration_done``) belong to the recovery one of whose
+  ``migration_started`` has their epoch, else to the open one.
 * **Resolution.** ``deferred`` for a deferred drain; else
   ``migration_done.resolution`` (live | regroup | checkpoint; see torchpass_slurm.faults.Resolution) if
   present; else ``restarted`` with ``from_checkpoint`` -> checkpoint; else a
@@ -73,12 +77,12 @@ The rules:
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from torchpass_slurm import events as ev
+from torchpass_slurm.analysis.phases import PHASES, Phases, last_heartbeat, round_ms, split_phases
 from torchpass_slurm.config import NodeRole
 from torchpass_slurm.events import Event
 from torchpass_slurm.faults import FaultClass, Resolution
@@ -99,8 +103,6 @@ __all__ = [
 DETECTION_KINDS = frozenset({ev.HEARTBEAT_LOST, ev.RANK_HUNG, ev.NODE_DOWN, ev.STEP_EXITED})
 #: Events that end the open recovery.
 CLOSING_KINDS = frozenset({ev.MIGRATION_DONE, ev.RESTARTED, ev.FAILED, ev.FINISHED})
-#: Phase names, in order; ``total`` is kept apart.
-PHASES = ("detection", "decision", "rebuild", "agreement", "transfer", "first_step")
 #: Fault classes, in the order they are reported.
 CLASSES = tuple(c.value for c in FaultClass)
 #: How the job's own drains begin their reason (the planner's pre-emptive drain).
@@ -116,24 +118,6 @@ RESOLUTIONS: tuple[str | None, ...] = (
 )
 
 # --- results ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Phases:
-    """The recovery-time split of one fault, in seconds; None where the log lacks an end."""
-
-    detection: float | None = None
-    decision: float | None = None
-    rebuild: float | None = None
-    agreement: float | None = None
-    transfer: float | None = None
-    first_step: float | None = None
-    total: float | None = None
-
-    def as_dict(self) -> dict[str, float | None]:
-        """Every phase and ``total``, rounded to milliseconds."""
-        names = (*PHASES, "total")
-        return {name: _round(getattr(self, name)) for name in names}
 
 
 @dataclass(frozen=True)
@@ -159,7 +143,7 @@ class FaultRecord:
         """The fault's JSON form: the time rounded to milliseconds, the phases as :meth:`Phases.as_dict`."""
         return {
             "class": self.fault_class,
-            "time": _round(self.ts),
+            "time": round_ms(self.ts),
             "node": self.node,
             "kind": self.kind,
             "detector": self.detector,
@@ -186,7 +170,12 @@ class SpareFault:
 
     def as_dict(self) -> dict[str, Any]:
         """The spare fault's JSON form, the time rounded to milliseconds."""
-        return {"time": _round(self.ts), "node": self.node, "detector": self.detector, "detail": self.detail}
+        return {
+            "time": round_ms(self.ts),
+            "node": self.node,
+            "detector": self.detector,
+            "detail": self.detail,
+        }
 
 
 @dataclass(frozen=True)
@@ -221,6 +210,8 @@ class _Recovery:
 
     index: int
     causes: list[_Cause] = field(default_factory=list)
+    #: the epochs of its migration_started events (a chain has several)
+    epochs: set[int] = field(default_factory=set)
     started: Event | None = None
     rebuilt: Event | None = None
     agreement: Event | None = None
@@ -342,10 +333,15 @@ class _Reader:
             self.spares = {str(n) for n in fields.get("spares") or ()}
         elif event.kind == ev.MIGRATION_STARTED:
             self.spares -= {str(n) for n in fields.get("spares") or ()}
+            chained = fields.get("chained_from")
+            if isinstance(chained, int) and not isinstance(chained, bool):
+                self._continue(chained)
             if fields.get("mode") == "planned":
                 self._planned_migration(event)
-            if self.open is not None and self.open.started is None:
-                self.open.started = event
+            if self.open is not None:
+                self.open.epochs.add(event.epoch)
+                if self.open.started is None:
+                    self.open.started = event
         elif event.kind in (ev.SPARE_PROMOTED, ev.WORKER_UP):
             self.failed_nodes.discard(str(fields.get("node")))  # it is (back) in the job
             if event.kind == ev.SPARE_PROMOTED:
@@ -362,9 +358,22 @@ class _Reader:
         elif event.kind == ev.FAILED and self.open is not None:
             self.open.failed = event
 
+    def _continue(self, epoch: int) -> None:
+        """A recovery that continues the one of ``epoch``: that one opens again, and the faults
+        of a recovery opened since (by detections only) join it."""
+        chain = self._recovery_of_epoch(epoch)
+        if chain is None or chain is self.open:
+            return
+        if self.open is not None:
+            if self.open.started is not None:  # a recovery of its own already: not this chain's
+                return
+            chain.causes.extend(self.open.causes)
+            self.recoveries.remove(self.open)
+        self.open = chain
+
     def _recovery_of_epoch(self, epoch: int) -> _Recovery | None:
         for recovery in reversed(self.recoveries):
-            if recovery.started is not None and recovery.started.epoch == epoch:
+            if epoch in recovery.epochs:
                 return recovery
         return None
 
@@ -446,47 +455,12 @@ def _fault(cause: _Cause, recovery: _Recovery) -> FaultRecord:
         phases=_phases(cause, recovery),
         fault_class=cause.fault_class,
         fallback=str(started.get("fallback") or "") or None,
-        held_s=_round(held) if isinstance(held, (int, float)) else None,
+        held_s=round_ms(held) if isinstance(held, (int, float)) else None,
     )
 
 
 def _phases(cause: _Cause, recovery: _Recovery) -> Phases:
     """Consecutive intervals last heartbeat -> detected -> ... -> first_step (a drain has no heartbeat)."""
-    detected = _ts(cause.mark)
-    heartbeat = _last_heartbeat(recovery.started, cause.node) if cause.fault_class == "unplanned" else None
+    heartbeat = last_heartbeat(recovery.started, cause.node) if cause.fault_class == "unplanned" else None
     ends = (recovery.started, recovery.rebuilt, recovery.agreement, recovery.transfer, recovery.first_step)
-    marks = [heartbeat, detected, *(_ts(e) for e in ends)]
-    # The ranks' reports reach the supervisor in any order: a rank's group_rebuilt can
-    # be logged after the agreement, which needs every rank's group. Each phase ended
-    # by the time the next one did, so an earlier mark is capped by the later ones.
-    for i in range(len(marks) - 2, 1, -1):
-        later = next((m for m in marks[i + 1 :] if m is not None), None)
-        mark = marks[i]
-        if mark is not None and later is not None and mark > later:
-            marks[i] = later
-    spans = [_interval(a, b) for a, b in itertools.pairwise(marks)]
-    return Phases(**dict(zip(PHASES, spans, strict=True)), total=_interval(detected, marks[-1]))
-
-
-def _last_heartbeat(started: Event | None, node: str) -> float | None:
-    """The failed node's last heartbeat, from ``migration_started`` (a number or ``{node: ts}``)."""
-    if started is None:
-        return None
-    value = started.fields.get("last_heartbeat")
-    if isinstance(value, Mapping):
-        value = value.get(node)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
-def _ts(event: Event | None) -> float | None:
-    return None if event is None else event.ts
-
-
-def _interval(start: float | None, end: float | None) -> float | None:
-    return None if start is None or end is None or end < start else end - start
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 3)
+    return split_phases(heartbeat, cause.mark, ends)

@@ -18,6 +18,7 @@ new membership (and epoch).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from torchpass_slurm import events as ev
@@ -169,13 +170,7 @@ class Executor:
                 ranks=list(new.ranks_of(spare)),
                 mode=PromoteMode.LIVE,
             )
-        prev = self.job.migration  # a fault during a migration: one recovery covers both
-        self.job.migration = Migration(
-            epoch=new.epoch,
-            started=prev.started if prev else self.clock.time(),
-            committed=prev.committed if prev and prev.committed is not None else committed,
-            failed=(prev.failed if prev else ()) + tuple(failed),
-        )
+        self.job.migration = chained(self.job.migration, new.epoch, self.clock.time(), committed, failed)
         self.orders.reconfigure(survivors)
         for spare in plan.promoted:
             self.orders.promote(spare, PromoteMode.LIVE)
@@ -233,13 +228,10 @@ class Executor:
             committed_step=None,
             detail=plan.detail,
             mode=plan.action.recovery,
+            **self._chained_from(),
         )
-        self.job.migration = Migration(
-            epoch=plan.membership.epoch,
-            started=self.clock.time(),
-            committed=None,
-            failed=(),
-            resolution=Resolution.REGROUP,
+        self.job.migration = chained(
+            self.job.migration, plan.membership.epoch, self.clock.time(), None, (), Resolution.REGROUP
         )
         self.orders.reconfigure(list(plan.membership.active))
         self.job.state = RunState.RECOVERING
@@ -279,6 +271,7 @@ class Executor:
             committed_step=committed,
             mode=plan.action.recovery,
             **why,
+            **self._chained_from(),
         )
         if plan.fallback:
             logger.warning("not live: %s", plan.detail)
@@ -300,14 +293,19 @@ class Executor:
             from_checkpoint=True,
             **restarted,
         )
-        self.job.migration = Migration(
-            epoch=new.epoch,
-            started=self.clock.time(),
-            committed=committed,
-            failed=tuple(plan.lost_nodes),
-            resolution=Resolution.CHECKPOINT,
+        self.job.migration = chained(
+            self.job.migration,
+            new.epoch,
+            self.clock.time(),
+            committed,
+            plan.lost_nodes,
+            Resolution.CHECKPOINT,
         )
         self.job.state = RunState.LAUNCHING
+
+    def _chained_from(self) -> dict[str, int]:
+        """``chained_from``: the epoch of the recovery in flight that a new one continues."""
+        return {} if self.job.migration is None else {"chained_from": self.job.migration.epoch}
 
     def _drop_spares(self, plan: Plan) -> None:
         spares_left = len(plan.membership.spares) + len(plan.promoted)
@@ -360,3 +358,29 @@ def supervisor_cpu() -> dict[str, Any]:
         "supervisor_cpu_s": round(own.ru_utime + own.ru_stime, 3),
         "srun_cpu_s": round(children.ru_utime + children.ru_stime, 3),
     }
+
+
+def chained(
+    prev: Migration | None,
+    epoch: int,
+    now: float,
+    committed: int | None,
+    failed: Sequence[str],
+    resolution: Resolution = Resolution.LIVE,
+) -> Migration:
+    """The :class:`~.state.Migration` of a recovery that starts now. One that starts while
+    another is in flight (a fault during a recovery, a live move that fell back to a restart,
+    a restart before the ranks resumed) continues its chain: the first one's start, its
+    committed high mark (the chain's lost and recomputed steps count from it, once) and every
+    node lost since; it alone will be closed, with the chain's numbers."""
+    if prev is None:
+        return Migration(
+            epoch=epoch, started=now, committed=committed, failed=tuple(failed), resolution=resolution
+        )
+    return Migration(
+        epoch=epoch,
+        started=prev.started,
+        committed=prev.committed if prev.committed is not None else committed,
+        failed=prev.failed + tuple(n for n in failed if n not in prev.failed),
+        resolution=resolution,
+    )

@@ -212,3 +212,45 @@ def test_a_move_held_for_a_spare_says_how_long_it_waited(job_log: Any) -> None:
     console = Console(width=300, record=True)
     print_report(console, [report_of(log)])
     assert "live (held 32 s for a spare)" in console.export_text()
+
+
+def test_a_chain_of_recoveries_is_one_recovery_with_the_chains_steps(job_log: Any) -> None:
+    """Issue 24, item 6: a survivor dies during the live move (it falls back to a restart in
+    place), and a rank crashes again before the restarted ranks resumed. Each restart continues
+    the recovery in flight (``chained_from``): the three faults share one recovery, whose one
+    ``migration_done`` says the chain's steps; nothing is unknown, nothing counted twice."""
+    log = job_log()
+    log.started(["n1", "n2", "n3"], ["s1"])
+    log.detected(10.0, "heartbeat_lost", "n2", epoch=1)
+    log.migration(10.5, 2, ["n2"], ["s1"], last_heartbeat=9.0, skip=("first_step", "migration_done"))
+    log.detected(14.0, "step_exited", "n3", epoch=2)
+    log.at(14.5, "migration_started", epoch=3, failed=["n3"], spares=[], last_heartbeat=None,
+           mode="restart-in-place", chained_from=2)
+    log.at(14.6, "restarted", epoch=3, restarts=1, active=["n1", "s1", "n3"], spares=[], from_checkpoint=True)
+    log.detected(18.0, "step_exited", "n1", epoch=3)
+    log.at(18.5, "migration_started", epoch=4, failed=["n1"], spares=[], last_heartbeat=None,
+           mode="restart-in-place", chained_from=3)
+    log.at(18.6, "restarted", epoch=4, restarts=2, active=["n1", "s1", "n3"], spares=[], from_checkpoint=True)
+    log.at(25.0, "migration_done", epoch=4, resolution="checkpoint", lost_steps=4, recomputed_steps=4)
+    log.at(60.0, "finished", exit_code=0, message="training done", restarts=2)
+
+    report = report_of(log)
+    assert [(f.node, f.recovery, f.resolution, f.lost_steps, f.recomputed_steps) for f in report.faults] == [
+        ("n2", 1, "checkpoint", 4, 4), ("n3", 1, "checkpoint", 4, 4), ("n1", 1, "checkpoint", 4, 4)]
+    totals = summarise([report]).total.totals
+    assert (totals.recoveries, totals.lost_steps, totals.lost_steps_unknown) == (1, 4, 0)
+
+
+def test_a_restart_not_chained_is_a_recovery_of_its_own(job_log: Any) -> None:
+    """Without ``chained_from`` (a fault after the recovery ended, or an older log) a later
+    restart keeps its own recovery and its own numbers."""
+    log = checkpoint_restart(job_log())
+    log.at(11.5, "migration_done", epoch=2, resolution="checkpoint", lost_steps=3, recomputed_steps=3)
+    log.detected(20.0, "step_exited", "n1", epoch=2)
+    log.at(20.5, "migration_started", epoch=3, failed=["n1"], spares=[], last_heartbeat=None,
+           mode="restart-in-place")
+    log.at(20.6, "restarted", epoch=3, restarts=2, active=["n1", "s1"], spares=[], from_checkpoint=True)
+    log.at(25.0, "migration_done", epoch=3, resolution="checkpoint", lost_steps=1, recomputed_steps=1)
+
+    report = report_of(log)
+    assert [(f.node, f.recovery, f.lost_steps) for f in report.faults] == [("n2", 1, None), ("n1", 2, 1)]

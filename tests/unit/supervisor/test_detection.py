@@ -14,6 +14,7 @@ import signal
 from collections.abc import Callable
 
 from torchpass_slurm import events as ev
+from torchpass_slurm.analysis.report import analyse
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.control.bodies import Report
 from torchpass_slurm.control.messages import ReportKind
@@ -178,6 +179,35 @@ def test_a_recovery_that_cannot_finish_goes_back_to_the_planner(make: Callable[.
     assert restarted.fields["active"] == ["c1", "c4", "c3"]  # the promoted spare is relaunched too
     assert h.launches()[4:] == [("c1", "active", 2), ("c4", "active", 2), ("c3", "active", 2)]
     assert not [d for d in h.of_kind(ev.MIGRATION_DONE) if d.fields["resolution"] == "live"]
+
+
+def test_a_live_move_that_fell_back_to_a_restart_reports_the_chains_steps_once(
+    make: Callable[..., Harness],
+) -> None:
+    """Issue 24, item 6: the stalled live move of c2's ranks is continued by the restart in
+    place (``chained_from``), and the restart's ``migration_done`` counts the chain's lost and
+    recomputed steps from the high mark before the first fault. The report has one recovery
+    for the fault, with its numbers known."""
+    h = make(train_s=TRAIN_S, store=STORE, config=dataclasses.replace(CONFIG, recovery_timeout=10))
+    ranks = ElasticRanks(h.world)
+    ranks.stall.add(1)
+    h.world.go_silent("c2", at=3.0)
+    ranks.fail_collective("c1", at=3.1, error=gloo_reset_by("c2"))
+    h.world.report("c1", "resumed", at=22.0, step=1, epoch=2)  # rank 0 of the relaunched c1
+
+    assert h.run().state == RunState.SUCCEEDED
+
+    live, in_place = h.of_kind(ev.MIGRATION_STARTED)
+    assert "chained_from" not in live.fields and in_place.fields["chained_from"] == live.epoch == 1
+    (done,) = h.of_kind(ev.MIGRATION_DONE)
+    high_mark = live.fields["committed_step"]
+    assert {k: done.fields[k] for k in ("resolution", "lost_steps", "recomputed_steps", "failed")} == {
+        "resolution": "checkpoint", "lost_steps": high_mark - 1, "recomputed_steps": high_mark - 1,
+        "failed": ["c2"]}
+    assert done.fields["seconds"] >= at_of(h, done) - at_of(h, live) - 0.01  # from the first start
+    (fault,) = analyse(h.events()).faults
+    assert (fault.node, fault.resolution, fault.lost_steps, fault.recomputed_steps) == (
+        "c2", "checkpoint", high_mark - 1, high_mark - 1)
 
 
 def test_a_rank_that_said_bye_may_take_its_time_to_exit(live: Live) -> None:
