@@ -160,3 +160,48 @@ def test_a_pure_fsdp_node_kill_restarts_from_the_checkpoint_and_says_no_replica(
     assert fault["resolution"] == "checkpoint" and fault["fallback"] == "no replica", fault
     assert run.digest == reference["1x4"].digest
     assert_same_samples(run, reference["1x4"])
+
+
+#: A checkpoint every 8 steps and slower steps: room for two faults, and a restart after the
+#: second that computes at least 5 steps again (issue 24's "no false hang" case).
+TWO_FAULTS = tuple({"4": "8", "0.4": "1.0"}.get(a, a) if TRAIN[i - 1] in ("--ckpt-every", "--step-sleep") else a
+                   for i, a in enumerate(TRAIN))
+
+
+def test_a_pure_fsdp_job_restarts_after_a_crash_then_a_hang_and_no_recomputed_step_looks_hung(
+        healthy_cluster: Cluster, reference: dict[str, Run]) -> None:
+    """Issue 24, item 4, pure FSDP 1 x 4 with 1 spare: a rank's process is SIGKILLed on a node
+    that stays healthy, then another rank is frozen (SIGSTOP) in the same job. Each restarts every
+    rank from the shard checkpoint (no replica), and the node that lost only its process rejoins
+    the pool for the next. The second restart computes at least 5 steps again, below the old
+    high mark: none of those ranks may look hung. Bitwise and sample by sample equal."""
+    c = healthy_cluster
+    job = submit(c, "-N", "4", "--spares", "1", example=EXAMPLE,
+                 train_args=(*TWO_FAULTS, "--mesh", "1x4", "--sample-log", "samples"))
+    job.wait_step(10)
+    first = c.tp_victim(job.job_id)
+    c.exec(first, "pkill", "-9", "-f", "python3 /src/sbatch-examples/tiny_gpt_hsdp.py")
+    wait_for(lambda: [e for e in job.events() if e["kind"] == "migration_done"], timeout=120,
+             what="the first restart resumed", interval=1)
+    job.wait_step(13)
+    second = c.tp_victim(job.job_id)
+    c.exec(second, "pkill", "-STOP", "-f", "python3 /src/sbatch-examples/tiny_gpt_hsdp.py")
+    try:
+        run = finish(c, job)
+    finally:
+        c.exec(second, "pkill", "-CONT", "-f", "python3 /src/sbatch-examples/tiny_gpt_hsdp.py", check=False)
+
+    events = job.events()
+    detections = [(e["kind"], e["node"]) for e in events
+                  if e["kind"] in ("rank_hung", "heartbeat_lost") or
+                  (e["kind"] == "step_exited" and e.get("exit_code") not in (0, None))]
+    assert detections[0] == ("step_exited", first), detections
+    assert {node for _, node in detections[1:]} == {second}, f"a false hang: {detections}"
+    started = [e for e in events if e["kind"] == "migration_started"]
+    assert [s.get("fallback") for s in started] == ["no replica", "no replica"], started
+    assert [e["node"] for e in events if e["kind"] == "spare_added" and e["returned"]][:1] == [first]
+    faults = report(c, job)["faults"]
+    assert [(f["node"], f["resolution"]) for f in faults] == [(first, "checkpoint"), (second, "checkpoint")]
+    assert faults[1]["recomputed_steps"] >= 5, faults
+    assert run.digest == reference["1x4"].digest
+    assert_same_samples(run, reference["1x4"])
