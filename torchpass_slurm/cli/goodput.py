@@ -1,25 +1,78 @@
 """``tp goodput``: expected ETTR and lost GPU-hours per day, checkpoint restart
 against live migration, for a few job sizes (the model: torchpass_slurm.analysis.goodput;
-the plot: torchpass_slurm.analysis.goodput_plot)."""
+coverage from spares: torchpass_slurm.analysis.coverage; the plot:
+torchpass_slurm.analysis.goodput_plot)."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import click
 
+from torchpass_slurm.analysis.coverage import SpareParams, live_params, simulate_coverage
 from torchpass_slurm.analysis.goodput import CLUSTER_FAILURES_PER_NODE_DAY, GoodputParams, ettr, simulate
 from torchpass_slurm.cli.app import App, pass_app
 
 _D = GoodputParams()
+_S = SpareParams()
 DEFAULT_GPUS = (1024, 16384, 131072)
 Row = dict[str, object]
 
+#: The options that describe the spare pool, by parameter name: each needs --spares.
+POOL_OPTIONS = {
+    "refill_s": "--refill-s",
+    "spare_wait": "--spare-wait",
+    "job_days": "--job-days",
+    "uncoverable": "--uncoverable",
+}
+#: Bounds of --spares and --job-days (the no-refill sum costs S^2 steps).
+MAX_SPARES = 1024
+MAX_JOB_DAYS = 3650.0
 
-def rows(gpus: tuple[int, ...], params: GoodputParams, monte_carlo: bool, seed: int) -> list[Row]:
-    """One row per job size: closed form (and simulation) for both recoveries."""
+
+class Finite(click.FloatRange):
+    """A float range that says "not a number" plainly and refuses NaN and the infinities
+    (which click's ranges let through)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not _parses(float, value):
+            self.fail(f"{value!r} is not a number (expected {self._describe_range()}).", param, ctx)
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number (expected {self._describe_range()}).", param, ctx)
+        return number
+
+
+class Count(click.IntRange):
+    """An integer range that says "not a whole number" plainly."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not _parses(int, value):
+            self.fail(f"{value!r} is not a whole number (expected {self._describe_range()}).", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+def _parses(kind: type, text: str) -> bool:
+    try:
+        kind(text.strip())
+    except ValueError:
+        return False
+    return True
+
+
+def rows(
+    gpus: tuple[int, ...],
+    params: GoodputParams,
+    monte_carlo: bool,
+    seed: int,
+    pool: SpareParams | None = None,
+) -> list[Row]:
+    """One row per job size: closed form (and simulation) for both recoveries, and with a
+    ``pool``, live migration's coverage from it without and with refill."""
     out: list[Row] = []
     for n in gpus:
         row: Row = {}
@@ -31,20 +84,41 @@ def rows(gpus: tuple[int, ...], params: GoodputParams, monte_carlo: bool, seed: 
                 sim = simulate(n, p, seed=seed)
                 entry.update(mc_ettr=sim.ettr, mc_lost_gpu_hours_per_day=sim.lost_gpu_hours_per_day)
             row[key] = entry
+        if pool is not None:
+            row["spares"] = {
+                "no_refill": spare_entry(n, params, pool.no_refill(), monte_carlo, seed),
+                "refill": spare_entry(n, params, pool, monte_carlo, seed),
+            }
         out.append(row)
     return out
+
+
+def spare_entry(gpus: int, params: GoodputParams, pool: SpareParams, monte_carlo: bool, seed: int) -> Row:
+    """Coverage from ``pool`` for a job of ``gpus`` GPUs, the pause and the ETTR it implies."""
+    cov, live = live_params(gpus, params, pool)
+    closed = ettr(gpus, live)
+    entry: Row = {
+        **asdict(cov),
+        "pause_s": live.live_recovery_s,
+        "ettr": closed.ettr,
+        "lost_gpu_hours_per_day": closed.lost_gpu_hours_per_day,
+    }
+    if monte_carlo:
+        sim = simulate_coverage(params.fault_rate_per_s(gpus), pool, seed=seed)
+        entry.update(mc_coverage=sim.coverage, mc_blocked=sim.blocked)
+    return entry
 
 
 @click.command("goodput")
 @click.option(
     "--gpus",
-    type=click.IntRange(min=1),
+    type=Count(min=1),
     multiple=True,
     help="Job size in GPUs (repeatable). Default: 1024, 16384, 131072.",
 )
 @click.option(
     "--gpus-per-node",
-    type=click.IntRange(min=1),
+    type=Count(min=1),
     default=_D.gpus_per_node,
     show_default=True,
     help="GPUs a node holds; a job of G GPUs holds ceil(G / this) nodes, and faults strike nodes.",
@@ -57,43 +131,83 @@ def rows(gpus: tuple[int, ...], params: GoodputParams, monte_carlo: bool, seed: 
     help="Failure rate of one of the HPCA 2025 study's clusters: "
     "rsc1 6.50, rsc2 2.34 faults per 1000 node-days.",
 )
-@click.option(
-    "--failure-rate", type=click.FloatRange(min=0), help="Faults per 1000 node-days; overrides --cluster."
-)
+@click.option("--failure-rate", type=Finite(min=0), help="Faults per 1000 node-days; overrides --cluster.")
 @click.option(
     "--ckpt-interval",
-    type=click.FloatRange(min=0, min_open=True),
+    type=Finite(min=0, min_open=True),
     default=_D.ckpt_interval_s / 60,
     show_default=True,
     help="Minutes of training between checkpoints.",
 )
 @click.option(
     "--ckpt-write",
-    type=click.FloatRange(min=0),
+    type=Finite(min=0),
     default=_D.ckpt_write_s,
     show_default=True,
     help="Seconds training stops to write a checkpoint (0: asynchronous writes).",
 )
 @click.option(
     "--restart-overhead",
-    type=click.FloatRange(min=0),
+    type=Finite(min=0),
     default=_D.restart_overhead_s,
     show_default=True,
     help="Seconds to detect, requeue and restore after a fault (the study's u0).",
 )
 @click.option(
     "--live-recovery",
-    type=click.FloatRange(min=0),
+    type=Finite(min=0),
     default=_D.live_recovery_s,
     show_default=True,
     help="Seconds of job time a fault costs under live migration.",
 )
 @click.option(
     "--live-coverage",
-    type=click.FloatRange(0, 1),
+    type=Finite(0, 1),
     default=_D.live_coverage,
     show_default=True,
     help="Share of faults live migration resolves; the rest fall back to checkpoint restart.",
+)
+@click.option(
+    "--spares",
+    type=Count(0, MAX_SPARES),
+    metavar="S",
+    help="Spares the job reserves. Given, live migration's coverage comes from them instead of "
+    "--live-coverage, shown without and with refill (docs/goodput.md, 'Coverage from spares').",
+)
+@click.option(
+    "--refill-s",
+    type=Finite(min=0),
+    default=_S.refill_s,
+    show_default=True,
+    metavar="SECONDS",
+    help="Seconds from asking Slurm for a replacement node to a ready spare "
+    "(2 to 11 s measured with an idle node). Needs --spares.",
+)
+@click.option(
+    "--spare-wait",
+    type=Finite(min=0),
+    default=_S.spare_wait_s,
+    show_default=True,
+    metavar="SECONDS",
+    help="Seconds the survivors hold the committed step for a refill when no spare is ready "
+    "(tp-submit --spare-wait); a node within it keeps the move live. Needs --spares.",
+)
+@click.option(
+    "--job-days",
+    type=Finite(0, MAX_JOB_DAYS, min_open=True),
+    default=_S.job_days,
+    show_default=True,
+    metavar="DAYS",
+    help="Days of wall time the job lives: without refill, its spares cover only its first S faults. "
+    "Needs --spares.",
+)
+@click.option(
+    "--uncoverable",
+    type=Finite(0, 1),
+    default=_S.uncoverable,
+    show_default=True,
+    metavar="SHARE",
+    help="Share of faults no spare can cover whatever the pool (every copy of a shard lost). Needs --spares.",
 )
 @click.option(
     "--monte-carlo", is_flag=True, help="Also simulate (20,000 faults per cell) to check the closed form."
@@ -120,6 +234,11 @@ def goodput(
     restart_overhead: float,
     live_recovery: float,
     live_coverage: float,
+    spares: int | None,
+    refill_s: float,
+    spare_wait: float,
+    job_days: float,
+    uncoverable: float,
     monte_carlo: bool,
     seed: int,
     as_json: bool,
@@ -133,6 +252,10 @@ def goodput(
     process). The defaults are the study's: Meta's RSC-1 failure rate, a
     5-minute restart, hourly checkpoints written asynchronously. The model and
     its sources: docs/goodput.md.
+
+    With --spares, live migration covers what the job's spares allow: without
+    refill only its first S faults, with refill every fault that finds a spare
+    or gets one within --spare-wait (less the --uncoverable share).
     """
     rate = CLUSTER_FAILURES_PER_NODE_DAY[cluster] if failure_rate is None else failure_rate / 1000
     params = GoodputParams(
@@ -144,13 +267,38 @@ def goodput(
         live_recovery_s=live_recovery,
         live_coverage=live_coverage,
     )
+    pool = _pool(spares, refill_s, spare_wait, job_days, uncoverable)
     if plot_path is not None:
         _plot(params, plot_path)
-    table = rows(gpus or DEFAULT_GPUS, params, monte_carlo, seed)
+    table = rows(gpus or DEFAULT_GPUS, params, monte_carlo, seed, pool)
     if as_json:
-        click.echo(json.dumps({"params": asdict(params), "rows": table}, indent=2))
+        head: Row = {"params": asdict(params), **({"spares": asdict(pool)} if pool is not None else {})}
+        click.echo(json.dumps({**head, "rows": table}, indent=2))
         return
-    _print_table(app, params, table, monte_carlo)
+    if pool is None:
+        _print_table(app, params, table, monte_carlo)
+    else:
+        _print_spare_table(app, params, pool, table, monte_carlo)
+
+
+def _pool(
+    spares: int | None, refill_s: float, spare_wait: float, job_days: float, uncoverable: float
+) -> SpareParams | None:
+    """The spare pool of --spares and its options; an option of the pool without --spares is an error."""
+    ctx = click.get_current_context()
+    given = [
+        option
+        for name, option in POOL_OPTIONS.items()
+        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+    ]
+    if spares is None:
+        if given:
+            raise click.UsageError(
+                f"{', '.join(given)} describe{'s' if len(given) == 1 else ''} the spare pool, "
+                "which --spares turns on; give --spares S too (e.g. --spares 1)"
+            )
+        return None
+    return SpareParams(spares, refill_s, spare_wait, job_days, uncoverable)
 
 
 def _plot(params: GoodputParams, path: Path) -> None:
@@ -162,6 +310,13 @@ def _plot(params: GoodputParams, path: Path) -> None:
     click.echo(f"plotting ETTR for {len(sizes)} job sizes, {sizes[0]:,} to {sizes[-1]:,} GPUs ...", err=True)
     write_plot(params, path, sizes)
     click.echo(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)", err=True)
+
+
+def _restart_line(params: GoodputParams) -> str:
+    return (
+        f"checkpoint restart: a checkpoint every {params.ckpt_interval_s / 60:g} min "
+        f"(write {params.ckpt_write_s:g} s), restart {params.restart_overhead_s:g} s"
+    )
 
 
 #: The table's columns: header (lines apart), then the same with --monte-carlo.
@@ -188,10 +343,7 @@ def _print_table(app: App, params: GoodputParams, table: list[Row], monte_carlo:
         f"ETTR at {params.failure_rate_per_node_day * 1000:g} faults/1000 node-days; "
         f"live migration: {params.live_recovery_s:g} s per fault, covers {params.live_coverage:.0%}"
     )
-    app.console.print(
-        f"checkpoint restart: a checkpoint every {params.ckpt_interval_s / 60:g} min "
-        f"(write {params.ckpt_write_s:g} s), restart {params.restart_overhead_s:g} s"
-    )
+    app.console.print(_restart_line(params))
     t = Table(box=box.SIMPLE, show_edge=False, pad_edge=False, collapse_padding=True)
     for name in COLUMNS + (MONTE_CARLO_COLUMNS if monte_carlo else ()):
         t.add_column(name, justify="right", no_wrap=True)
@@ -214,3 +366,64 @@ def _print_table(app: App, params: GoodputParams, table: list[Row], monte_carlo:
     app.console.print(
         "GPU-h/d: GPU-hours lost per day" + ("; MC: the simulation's ETTR" if monte_carlo else "")
     )
+
+
+#: The table's columns with --spares, then the same with --monte-carlo.
+SPARE_COLUMNS = (
+    "GPUs",
+    "nodes",
+    "faults\nper job",
+    "restart\nETTR",
+    "no-refill\ncover",
+    "no-refill\nETTR",
+    "refill\ncover",
+    "refill\npause",
+    "refill\nETTR",
+)
+SPARE_MONTE_CARLO_COLUMNS = ("MC\nrestart", "MC cover\nno-refill", "MC cover\nrefill")
+
+
+def _print_spare_table(
+    app: App, params: GoodputParams, pool: SpareParams, table: list[Row], monte_carlo: bool
+) -> None:
+    """The parameters, a borderless table with the coverage of ``pool``, what its words mean."""
+    from rich import box
+    from rich.table import Table
+
+    from torchpass_slurm.cli.report import print_wide
+
+    spares = f"{pool.spares} spare{'' if pool.spares == 1 else 's'}"
+    app.console.print(
+        f"ETTR at {params.failure_rate_per_node_day * 1000:g} faults/1000 node-days; "
+        f"live migration: {params.live_recovery_s:g} s per fault"
+    )
+    app.console.print(
+        f"{spares} for a {pool.job_days:g}-day job, {pool.uncoverable * 100:g}% of faults uncoverable; "
+        f"refill {pool.refill_s:g} s, wait {pool.spare_wait_s:g} s"
+    )
+    app.console.print(_restart_line(params))
+    t = Table(box=box.SIMPLE, show_edge=False, pad_edge=False, collapse_padding=True)
+    for name in SPARE_COLUMNS + (SPARE_MONTE_CARLO_COLUMNS if monte_carlo else ()):
+        t.add_column(name, justify="right", no_wrap=True)
+    for row in table:
+        cr, pools = row["checkpoint_restart"], row["spares"]
+        assert isinstance(cr, dict) and isinstance(pools, dict)
+        static, refill = pools["no_refill"], pools["refill"]
+        cells = [
+            f"{row['gpus']:,}",
+            f"{row['nodes']:,}",
+            f"{static['faults_per_job']:,.1f}",
+            f"{cr['ettr']:.3f}",
+            f"{static['coverage']:.3f}",
+            f"{static['ettr']:.3f}",
+            f"{refill['coverage']:.3f}",
+            f"{refill['pause_s']:.1f}",
+            f"{refill['ettr']:.3f}",
+        ]
+        if monte_carlo:
+            cells += [f"{cr['mc_ettr']:.3f}", f"{static['mc_coverage']:.3f}", f"{refill['mc_coverage']:.3f}"]
+        t.add_row(*cells)
+    print_wide(app.console, t)
+    app.console.print("cover: share of faults resolved live; pause: mean s a covered fault costs")
+    if monte_carlo:
+        app.console.print("MC: the simulation's ETTR and cover")
