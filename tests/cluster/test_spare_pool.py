@@ -1,6 +1,6 @@
-"""The spare pool refills on the real cluster: one spare carries a job through three node losses.
+"""The spare pool refills on the real cluster: one spare carries a job through four node losses.
 
-A job of 3 active nodes and 1 spare on the 5-node cluster. Three times in a
+A job of 3 active nodes and 1 spare on the 5-node cluster. Four times in a
 row an active node is powered off and, once the job moved off it, powered on
 again, as a site repairs a node. Each loss is a live migration onto the
 spare; after each, ``tp run`` asks Slurm for a node by job expansion and
@@ -8,8 +8,8 @@ starts a standby on it, so the pool is whole again before the next loss: the
 idle node first, then the first repaired one, which the pool asks back once
 its slurmd has started again. The final state is bitwise
 equal to the fault-free run's (the steps only sleep longer, which changes no
-number). ``TP_SPARE_POOL_KILLS`` runs more losses (the training is sized for
-three).
+number). ``TP_SPARE_POOL_KILLS`` runs more or fewer losses (the steps sleep
+longer for more).
 
 Two more: a node that lost only its process is the pool's next spare, and a
 loss with the pool empty holds the job until Slurm frees a node.
@@ -28,9 +28,9 @@ from tests.cluster.test_live_migration import assert_all_live
 
 pytestmark = pytest.mark.cluster
 
-KILLS = int(os.environ.get("TP_SPARE_POOL_KILLS", "3"))
+KILLS = int(os.environ.get("TP_SPARE_POOL_KILLS", "4"))
 #: Slower steps than the other tests (the same 24 steps): room for the losses and refills.
-SLOW = (*TRAIN_ARGS[: TRAIN_ARGS.index("--step-sleep")], "--step-sleep", str(1.0 * KILLS))
+SLOW = (*TRAIN_ARGS[: TRAIN_ARGS.index("--step-sleep")], "--step-sleep", str(0.75 * KILLS))
 #: A refused request is asked again soon (a repaired node takes seconds to come back).
 ENV = {"TORCHPASS_REFILL_RETRY": "2", "TORCHPASS_REFILL_WAIT": "20"}
 
@@ -43,7 +43,7 @@ def standby_spares(job: TpJob) -> list[str]:
     return [n["node"] for n in job.status()["nodes"] if n["role"] == "spare" and n["state"] == "standby"]
 
 
-def test_one_spare_carries_the_job_through_three_node_losses_live(
+def test_one_spare_carries_the_job_through_four_node_losses_live(
     healthy_cluster: Cluster, reference_hash: str
 ) -> None:
     c = healthy_cluster
@@ -143,3 +143,30 @@ def test_a_loss_with_the_pool_empty_holds_the_step_until_slurm_frees_a_node(
     assert f"live (held {started[1]['held_s']:.0f} s for a spare)" in text, text
     assert final_hash(job) == reference_hash
     print(f"held {started[1]['held_s']:.1f} s; c5 freed {30} s into the hold")
+
+
+def test_a_refill_takes_the_node_of_lower_priority_work(healthy_cluster: Cluster, reference_hash: str) -> None:
+    """Issue 24, item 7: a job of the scavenger partition (a lower PriorityTier, preemption on:
+    docker/slurm.conf) holds the only idle node, c5. After a loss the pool asks Slurm for a node,
+    and Slurm cancels the low-priority job to give it c5: the next loss moves live onto it."""
+    c = healthy_cluster
+    low = c.sbatch("-N1", "-w", "c5", "-p", "scavenger", "--exclusive", "-J", "low-priority",
+                   "--wrap", "sleep 600")
+    wait_for(lambda: c.job_field(low, "JobState") == "RUNNING", timeout=60, what="c5 busy")
+    args = (*TRAIN_ARGS[: TRAIN_ARGS.index("--step-sleep")], "--step-sleep", "1.0")
+    job = submit(c, "-N", "3", "--spares", "1", train_args=args, env=ENV)
+    job.wait_step(1)
+    first = active_victim(c, job)
+    c.kill(first)
+    wait_for(lambda: standby_spares(job) == ["c5"], timeout=120, what="c5 a spare on standby", interval=1)
+    c.restart(first)
+    assert c.job_field(low, "JobState") in ("PREEMPTED", "CANCELLED")
+    second = active_victim(c, job)
+    c.kill(second)
+    assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+
+    events = job.events()
+    assert [e["node"] for e in events if e["kind"] == "spare_added"][:1] == ["c5"]
+    assert [e["node"] for e in events if e["kind"] == "spare_promoted"][1] == "c5"
+    assert_all_live(c, job, 2)
+    assert final_hash(job) == reference_hash
