@@ -2,6 +2,7 @@
 
     scripts/bench [--quick] [--only overhead,recovery,detection,completion,transfer,peers]
     scripts/bench --campaign N [--campaign-seed S]   N faults of six classes (benchmarks/campaign.py)
+    scripts/bench --campaign N --faults-per-job K    long-life jobs of K faults on 1 spare (long_life.py)
     python3 -m benchmarks.suite ...   (the same; scripts/bench checks the Python environment first)
 
 It starts the dockerized cluster if it is not running, and then takes it down again.
@@ -26,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks import campaign, detection, jobs, peers, render, runs
+from benchmarks import campaign, detection, jobs, long_life, peers, render, runs
 from scripts.devcluster import ClusterError
 
 PARTS = {"overhead": runs.overhead, "recovery": runs.recovery, "detection": detection.detection,
@@ -52,7 +53,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="instead of the parts: a fault campaign of N faults (default 50) drawn from a seeded "
                         "generator (benchmarks/campaign.py); results in benchmarks/results/campaign.json")
     p.add_argument("--campaign-seed", type=int, default=14, help="seed of the campaign's faults (default 14)")
+    p.add_argument("--faults-per-job", type=int, metavar="K", default=None,
+                   help="with --campaign: long-life jobs of K faults each on one spare, the pool refilled "
+                        "between them (benchmarks/long_life.py); results in benchmarks/results/long-life.json")
     args = p.parse_args(argv)
+    if args.faults_per_job is not None and (not args.campaign or args.faults_per_job < 1):
+        p.error("--faults-per-job K needs --campaign N, and K of at least 1")
     args.parts = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in args.parts if s not in PARTS and s not in OPTIONAL_PARTS]
     if unknown or not args.parts:
@@ -122,13 +128,17 @@ def run_campaign(args: argparse.Namespace) -> int:
         jobs.wait_idle(timeout=60)
     except (ClusterError, OSError) as err:
         sys.exit(f"the test cluster is not idle ({err}); see `scripts/cluster status`")
-    result = campaign.campaign(args.campaign, args.campaign_seed)
+    if args.faults_per_job:
+        result = long_life.long_life(args.campaign, args.faults_per_job, args.campaign_seed)
+        default, text = long_life.DEFAULT_JSON, long_life.table(result)
+    else:
+        result = campaign.campaign(args.campaign, args.campaign_seed)
+        default, text = campaign.DEFAULT_JSON, f"{campaign.table(result)}\n{result['tp_report_totals_only']}"
     result["environment"] = environment("campaign")
-    path = campaign.DEFAULT_JSON if args.json == DEFAULT_JSON else args.json
+    path = default if args.json == DEFAULT_JSON else args.json
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
-    print(campaign.table(result))
-    print(result["tp_report_totals_only"])
+    print(text)
     jobs.progress(f"campaign done in {result['seconds']:.0f} s; results in {path}")
     return 0
 
