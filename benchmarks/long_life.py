@@ -99,6 +99,7 @@ class RepairingFaults(campaign.Faults):
         def inject(job: jobs.Job) -> dict[str, Any]:
             began = time.monotonic()
             whole = wait_whole(job)
+            epoch = settled(job)[1]
             nodes = candidates(job)
             node = nodes[fault.node_pick % len(nodes)]
             wall = time.time()
@@ -110,24 +111,32 @@ class RepairingFaults(campaign.Faults):
                 "wall": wall,
                 "index": fault.index,
                 "pool_whole": whole,
+                "epoch": epoch,
                 "pool_wait_s": round(time.monotonic() - began, 1),
             }
 
         return inject
 
 
-def standby_spares(job: jobs.Job) -> int:
-    nodes = jobs.CLUSTER.tp_status(job.job_id).get("nodes", [])
-    return sum(1 for n in nodes if n.get("role") == "spare" and n.get("state") == "standby")
+def settled(job: jobs.Job) -> tuple[bool, int]:
+    """Whether the job runs with no recovery in flight and a spare on standby, and its epoch."""
+    status = jobs.CLUSTER.tp_status(job.job_id)
+    standby = [n for n in status.get("nodes", []) if n.get("role") == "spare" and n.get("state") == "standby"]
+    return status.get("state") == "running" and bool(standby), int(status.get("epoch", 0))
 
 
 def wait_whole(job: jobs.Job) -> bool:
-    """Wait until the job has a spare on standby (at most POOL_WAIT_S); whether it has."""
+    """Wait (at most POOL_WAIT_S) until the last fault's recovery is over (a later epoch, no
+    recovery in flight) and the pool is whole (a spare on standby); whether it came to that.
+    status.json is rewritten every second or so: a spare it still shows on standby may have
+    been promoted already, so the epoch must have moved on too."""
+    after = job.faults[-1].get("epoch", -1) if job.faults else -1
     deadline = time.monotonic() + POOL_WAIT_S
     while time.monotonic() < deadline:
         if jobs.job_state(job) in jobs.FINAL_STATES:
             return False
-        if standby_spares(job) >= 1:
+        whole, epoch = settled(job)
+        if whole and epoch > after:
             return True
         time.sleep(jobs.POLL_S)
     return False
