@@ -156,8 +156,11 @@ def candidates(job: jobs.Job) -> list[str]:
     return nodes
 
 
-def refills(events: Sequence[ev.Event], hit: set[str]) -> list[dict[str, Any]]:
-    """Each spare used, and the seconds to its replacement's standby, by mechanism (module doc)."""
+def refills(events: Sequence[ev.Event], hit: Sequence[tuple[str, str, float]]) -> list[dict[str, Any]]:
+    """Each spare used, and the seconds to its replacement's standby, by mechanism (module doc);
+    ``hit``: (node, fault kind, unix time) of each fault: a node the job lost to a power-off or a
+    partition comes back repaired (rebooted); one lost to a frozen or killed process without
+    its slurmd restarting comes back 3 x SlurmdTimeout after its loss (``supervisor/refill.py``)."""
     out: list[dict[str, Any]] = []
     added: dict[str, ev.Event] = {}
     used: list[ev.Event] = []
@@ -170,13 +173,15 @@ def refills(events: Sequence[ev.Event], hit: set[str]) -> list[dict[str, Any]]:
         elif e.kind == ev.WORKER_UP and e.fields.get("role") == "spare" and node in added and used:
             joined = added.pop(node)
             promoted = used.pop(0)
-            mechanism = (
-                "given back"
-                if joined.fields.get("returned")
-                else "repaired node"
-                if node in hit
-                else "idle node"
-            )
+            before = [kind for n, kind, at in hit if n == node and at < joined.ts]
+            if joined.fields.get("returned"):
+                mechanism = "given back"
+            elif not before:
+                mechanism = "idle node"
+            elif before[-1] in ("kill", "partition"):
+                mechanism = "repaired node"
+            else:
+                mechanism = "lost node, slurmd not restarted"
             out.append(
                 {
                     "used": str(promoted.fields.get("node")),
@@ -257,7 +262,7 @@ def long_life(
             )
         records.extend(campaign.judge(job, reference, size.steps))
         events = ev.read_events(job.event_log())
-        hit = {f["node"] for f in job.faults if f["kind"] in ("kill", "partition")}
+        hit = [(f["node"], f["kind"], f["wall"]) for f in job.faults]
         job_refills = [{**r, "job": job.job_id} for r in refills(events, hit)]
         all_refills.extend(job_refills)
         job_rows.append(
