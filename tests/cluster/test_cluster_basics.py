@@ -33,7 +33,7 @@ def test_every_node_comes_up_idle(cluster: Cluster) -> None:
     assert sorted(names) == sorted([f"{PROJECT}-{n}" for n in ("ctl", *COMPUTE, *SERVICE)])
     assert cluster.node_states() == {n: "idle" for n in COMPUTE + SERVICE}
     partitions = cluster.exec("ctl", "sinfo", "-h", "-o", "%R %N").stdout.split("\n")
-    assert sorted(p for p in partitions if p) == ["debug c[1-5]", "service s1"]
+    assert sorted(p for p in partitions if p) == ["debug c[1-5]", "scavenger c[1-5]", "service s1"]
 
 
 def test_three_node_batch_job_output_is_read_back(healthy_cluster: Cluster) -> None:
