@@ -279,8 +279,21 @@ class CliSlurm:
         except SlurmError:
             self.cancel(new_id)  # never leave the node held by a job nobody uses
             raise
+        self._drop_returned(job_id, set(exclude))
         logger.info("expanded job %d by %s (through job %d)", job_id, ",".join(nodes), new_id)
         return nodes
+
+    def _drop_returned(self, job_id: int, unwanted: set[str]) -> None:
+        """Shrink ``job_id`` out of any of ``unwanted`` that the merge gave back to it.
+
+        Measured on 24.11 (a fresh-clone CI run): a node the job had released by a shrink was
+        in the job again after a later merge, and when Slurm set it DOWN it left the job and
+        stayed ALLOCATED with no job once powered on."""
+        nodes = self.job(job_id).nodes
+        back = [n for n in nodes if n in unwanted]
+        if back:
+            logger.warning("the merge gave job %d back %s, which it had left: released again", job_id, back)
+            self.shrink_job(job_id, [n for n in nodes if n not in unwanted])
 
     def cancel_expansion(self, job_id: int) -> None:
         """Withdraw a request to grow ``job_id`` (:meth:`expand_job`) that is still pending or

@@ -214,8 +214,35 @@ def test_expand_job_asks_for_one_node_beside_the_job_and_merges_it(fake_runner: 
     fake_runner.on(["scontrol", "update", "JobId=7", "NumNodes=ALL"])
 
     assert make(fake_runner).expand_job(7, wait_s=60, exclude=["c5"]) == ("c4",)
-    assert [c.argv[:3] for c in fake_runner.calls][-2:] == [("scontrol", "update", "JobId=9"),
-                                                          ("scontrol", "update", "JobId=7")]
+    assert [c.argv[:3] for c in fake_runner.calls][-3:-1] == [("scontrol", "update", "JobId=9"),
+                                                            ("scontrol", "update", "JobId=7")]
+    # then the job's nodes are read once more: none it had left came back, nothing is shrunk
+    assert fake_runner.calls[-1].argv == ("scontrol", "-o", "show", "job", "7")
+
+
+def test_a_node_the_job_had_left_that_the_merge_gives_back_is_released_again(
+    fake_runner: FakeRunner,
+) -> None:
+    """Slurm 24.11: after a merge the job held c3 again, which it had shrunk out (dead)."""
+    before, after = _job_line(7, "c[1-2]"), _job_line(7, "c[1-3,5]")
+    answers = iter([before, before, after])
+    fake_runner.on(["scontrol", "-o", "show", "job", "7"], before)
+    salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=60", "--job-name=tp-spare-7"]
+    fake_runner.on([*salloc, "--partition=debug", "--exclude=c[1-3]"], "salloc: Granted job allocation 9\n")
+    fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c5"))
+    fake_runner.on(["scontrol", "update", "JobId=9", "NumNodes=0"])
+    fake_runner.on(["scontrol", "update", "JobId=7", "NumNodes=ALL"])
+    fake_runner.on(["scontrol", "update", "JobId=7", "NodeList=c[1-2,5]"])
+    real_run = fake_runner.run
+
+    def run(argv, **kw):  # type: ignore[no-untyped-def]
+        if list(argv) == ["scontrol", "-o", "show", "job", "7"]:
+            fake_runner.answers[tuple(argv)] = next(answers, after)
+        return real_run(argv, **kw)
+
+    fake_runner.run = run  # type: ignore[method-assign]
+    assert make(fake_runner).expand_job(7, wait_s=60, exclude=["c3"]) == ("c5",)
+    assert fake_runner.calls[-1].argv == ("scontrol", "update", "JobId=7", "NodeList=c[1-2,5]")
 
 
 def test_a_merge_that_fails_gives_the_node_back(fake_runner: FakeRunner) -> None:
