@@ -116,6 +116,8 @@ EXEC_TIMEOUT_S = 120.0
 BUILD_TIMEOUT_S = 1800.0
 #: Seconds between two looks at the nodes while waiting for them.
 POLL_S = 1.0
+#: How long a node may look ALLOCATED with no job before ensure_healthy repairs it.
+STUCK_AFTER_S = 10.0
 #: Log lines quoted from a node that did not come up.
 EXCERPT_LINES = 6
 #: Slurm states from which `wait_idle(resume=True)` resumes a node (scontrol state=resume).
@@ -546,6 +548,7 @@ class Cluster:
         still not idle)."""
         started = time.monotonic()
         last = ""
+        reconfigured = False
         while True:
             containers = self.containers()
             slurm_nodes = COMPUTE + self.service_nodes(containers)
@@ -569,7 +572,20 @@ class Cluster:
                     if state.startswith(RESUMABLE):
                         self.exec(CONTROLLER, "scontrol", "update", f"nodename={node}",
                                   "state=resume", check=False)
+                if waited > STUCK_AFTER_S and not reconfigured and self._stuck(waiting):
+                    reconfigured = True
             time.sleep(POLL_S)
+
+    def _stuck(self, waiting: Mapping[str, str]) -> bool:
+        """Slurm 24.11 keeps a node ALLOCATED with no job on it once it left a job as it was set
+        DOWN (docs/admin-guide.md, "Spare pool refills"); ``scontrol reconfigure`` clears it.
+        Said aloud, and done once per wait: whether it was."""
+        stuck = [n for n, state in waiting.items() if state == "allocated" and not self.exec(
+            CONTROLLER, "squeue", "-h", "-w", n, check=False).stdout.strip()]
+        if stuck:
+            log(f"Slurm holds {', '.join(stuck)} ALLOCATED with no job on it: scontrol reconfigure")
+            self.exec(CONTROLLER, "scontrol", "reconfigure", check=False)
+        return bool(stuck)
 
     @staticmethod
     def service_nodes(containers: Mapping[str, str]) -> tuple[str, ...]:
