@@ -212,6 +212,34 @@ def match(injected: Sequence[dict[str, Any]], found: Sequence[dict[str, Any]]) -
     return out
 
 
+def never_injected(job: jobs.Job, planned: Sequence[PlannedFault]) -> list[dict[str, Any]]:
+    """One record per planned fault the job never took: it ended first."""
+    return [{"index": p.index, "class": p.fault_class, "node": None, "at_step": p.step,
+             "job": job.job_id, "folder": job.folder, "job_state": job.state,
+             "resolution": None, "lost_steps": None, "live_no_lost_progress": False,
+             "no_data_loss": False, "bitwise_equal": False, "phases": None,
+             "cause": f"never injected: the job ended {job.state} before step {p.step}"}
+            for p in planned[len(job.faults):]]
+
+
+def run_and_save(run: Callable[[], dict[str, Any]], path: Path) -> dict[str, Any]:
+    """``run()`` on the cluster (started and taken down again if it was not up), its result
+    dated and written to ``path``."""
+    cluster = jobs.CLUSTER
+    started = not cluster.is_up()
+    if started:
+        cluster.up()
+    try:
+        result = run()
+    finally:
+        if started:
+            cluster.down()
+    result["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def judge(job: jobs.Job, reference: str | None, steps: int) -> list[dict[str, Any]]:
     """One record per injected fault of a finished job."""
     report = job_json(load_report(jobs.CLUSTER.host_path(job.folder)))
@@ -313,12 +341,7 @@ def campaign(faults: int = 50, seed: int = 14, size: CampaignSizing | None = Non
         except jobs.BenchError as err:
             jobs.progress(f"  {err}")
             job.ended = job.ended or time.monotonic()
-        for p in planned[len(job.faults):]:  # faults never injected: the job ended first
-            records.append({"index": p.index, "class": p.fault_class, "node": None, "at_step": p.step,
-                            "job": job.job_id, "folder": job.folder, "job_state": job.state,
-                            "resolution": None, "lost_steps": None, "live_no_lost_progress": False,
-                            "no_data_loss": False, "bitwise_equal": False, "phases": None,
-                            "cause": f"never injected: the job ended {job.state} before step {p.step}"})
+        records.extend(never_injected(job, planned))
         records.extend(judge(job, reference, size.steps))
         job_rows.append({"job": job.job_id, "folder": job.folder, "state": job.state,
                          "seconds": round(job.seconds, 2), "faults": job.faults})
@@ -341,18 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=14, help="seed of the fault generator (default 14)")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
     a = p.parse_args(argv)
-    cluster = jobs.CLUSTER
-    started = not cluster.is_up()
-    if started:
-        cluster.up()
-    try:
-        result = campaign(a.faults, a.seed)
-    finally:
-        if started:
-            cluster.down()
-    result["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(result, indent=1) + "\n")
+    result = run_and_save(lambda: campaign(a.faults, a.seed), a.json)
     print(table(result))
     print(result["tp_report_totals_only"])
     return 0

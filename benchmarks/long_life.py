@@ -30,7 +30,6 @@ did not).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -241,25 +240,7 @@ def long_life(
     for number, planned in enumerate(schedule, start=1):
         progress(f"long life: job {number}/{len(schedule)}: " + ", ".join(p.fault_class for p in planned))
         job = run_job(fleet, number, planned, size, inject, env)
-        for p in planned[len(job.faults) :]:
-            records.append(
-                {
-                    "index": p.index,
-                    "class": p.fault_class,
-                    "node": None,
-                    "at_step": p.step,
-                    "job": job.job_id,
-                    "folder": job.folder,
-                    "job_state": job.state,
-                    "resolution": None,
-                    "lost_steps": None,
-                    "live_no_lost_progress": False,
-                    "no_data_loss": False,
-                    "bitwise_equal": False,
-                    "phases": None,
-                    "cause": f"never injected: the job ended {job.state} before step {p.step}",
-                }
-            )
+        records.extend(campaign.never_injected(job, planned))
         records.extend(campaign.judge(job, reference, size.steps))
         events = ev.read_events(job.event_log())
         hit = [(f["node"], f["kind"], f["wall"]) for f in job.faults]
@@ -331,18 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.faults < 1 or a.faults_per_job < 1:
         p.error("--faults and --faults-per-job must be at least 1")
-    cluster = jobs.CLUSTER
-    started = not cluster.is_up()
-    if started:
-        cluster.up()
-    try:
-        result = long_life(a.faults, a.faults_per_job, a.seed)
-    finally:
-        if started:
-            cluster.down()
-    result["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(result, indent=1) + "\n")
+    result = campaign.run_and_save(lambda: long_life(a.faults, a.faults_per_job, a.seed), a.json)
     print(table(result))
     return 0
 
