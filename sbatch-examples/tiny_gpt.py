@@ -37,10 +37,10 @@ import warnings
 from pathlib import Path
 
 try:
-    from torchpass_slurm.train import ElasticTrainer, Runtime, checkpoint
+    from torchpass_slurm.train import ElasticTrainer, Runtime, checkpoint, leave
 except ImportError:  # running from a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from torchpass_slurm.train import ElasticTrainer, Runtime, checkpoint
+    from torchpass_slurm.train import ElasticTrainer, Runtime, checkpoint, leave
 
 import torch
 import torch.nn as nn
@@ -430,4 +430,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())  # not sys.exit: torch's gloo threads may abort the interpreter's shutdown

@@ -39,7 +39,7 @@ import tiny_gpt  # the model, data and CLI of the DDP example (it finds torchpas
 import torch
 from torch import nn
 
-from torchpass_slurm.train import MeshLayout, Runtime, ShardedTrainer
+from torchpass_slurm.train import MeshLayout, Runtime, ShardedTrainer, leave
 
 
 def mesh_layout(text: str) -> MeshLayout:
@@ -188,4 +188,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())  # not sys.exit: torch's gloo threads may abort the interpreter's shutdown

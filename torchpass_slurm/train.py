@@ -2,7 +2,7 @@
 
 A training script imports from here and from nowhere else in the package::
 
-    from torchpass_slurm.train import ElasticTrainer, Runtime, checkpoint
+    from torchpass_slurm.train import ElasticTrainer, Runtime, checkpoint, leave
 
     rt = Runtime.from_env()                  # or rt = init(): from_env() and start() in one
     model, opt = build()                     # a hot spare builds before it waits
@@ -10,6 +10,8 @@ A training script imports from here and from nowhere else in the package::
     state = {"train": checkpoint.TrainState(model, opt)}
     trainer = ElasticTrainer(rt, model, opt, state=state)
     trainer.fit(train_step, steps, on_commit)
+    trainer.close(); rt.close()
+    leave(0)                                 # exit, skipping torch's teardown at shutdown
 
 The names below keep their meaning across releases. The modules they come from
 (``torchpass_slurm.rank.runtime``, ``.rank.elastic``, ``.rank.sharded``,
@@ -28,6 +30,7 @@ from __future__ import annotations
 from torchpass_slurm.rank import checkpoint
 from torchpass_slurm.rank.checkpoint import RNGState, TrainState
 from torchpass_slurm.rank.elastic import ElasticTrainer
+from torchpass_slurm.rank.group import leave
 from torchpass_slurm.rank.layout import MeshLayout
 from torchpass_slurm.rank.rankinfo import RankInfo, Role
 from torchpass_slurm.rank.runtime import Runtime, init
@@ -47,4 +50,6 @@ __all__ = [
     "checkpoint",
     "TrainState",
     "RNGState",
+    # the end of the process
+    "leave",
 ]

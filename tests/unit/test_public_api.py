@@ -27,6 +27,7 @@ INTERNAL = {
     "checkpoint": "torchpass_slurm.rank.checkpoint",
     "TrainState": "torchpass_slurm.rank.checkpoint:TrainState",
     "RNGState": "torchpass_slurm.rank.checkpoint:RNGState",
+    "leave": "torchpass_slurm.rank.group:leave",
 }
 
 
@@ -80,3 +81,23 @@ def test_importing_the_public_api_leaves_torch_unloaded() -> None:
     if this fails, make train.py import lazily (a module ``__getattr__``) or fix the target."""
     done = imports_torch("import torchpass_slurm.train")
     assert done.returncode == 0, done.stderr.strip()
+
+
+def test_leave_exits_with_its_code_and_loses_no_output(tmp_path: Path) -> None:
+    """``leave`` skips the interpreter's shutdown: what was printed and logged still comes out,
+    and nothing registered to run at exit does."""
+    script = textwrap.dedent("""
+        import atexit, logging, sys
+        from torchpass_slurm.train import leave
+        logging.basicConfig(filename=sys.argv[1], level=logging.INFO)
+        atexit.register(lambda: print("atexit ran"))
+        print("unterminated", end="")
+        logging.info("logged before leaving")
+        leave(3)
+        print("after leave")
+    """)
+    log = tmp_path / "log"
+    done = subprocess.run([sys.executable, "-c", script, str(log)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60, check=False)
+    assert (done.returncode, done.stdout) == (3, "unterminated"), done.stderr
+    assert "logged before leaving" in log.read_text()

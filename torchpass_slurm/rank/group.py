@@ -76,6 +76,7 @@ __all__ = [
     "superseding",
     "abort_group_before",
     "can_abort",
+    "leave",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -421,3 +422,23 @@ def _abort(group: Any, epoch: int, log: logging.LoggerAdapter[logging.Logger]) -
         log.debug("aborting the group of epoch %d: %r", epoch, exc)
         return False
     return True
+
+
+def leave(code: int = 0) -> None:
+    """End a training process whose work is done (its checkpoints written, its group closed):
+    flush its output and logs, then exit with ``code`` without the interpreter's finalization.
+
+    A gloo group's threads, or the tensors their finished work still holds, can outlive
+    :func:`destroy_group`; torch then frees them while the interpreter shuts down, and the
+    process ends with SIGABRT ("terminate called without an active exception",
+    pytorch/pytorch#179291: measured once in 40 two-rank runs of ``sbatch-examples/tiny_gpt.py``,
+    and a rank that ends with a signal is a fault to the supervisor). Freeing them earlier
+    instead (the DDP wrapper dropped, a garbage collection) hung once in 80 runs.
+    """
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    logging.shutdown()
+    os._exit(code)
