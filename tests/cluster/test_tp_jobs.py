@@ -76,18 +76,22 @@ def test_a_lost_node_with_no_spare_left_ends_the_job_with_a_clear_message(
     assert "no hot spare left" in job.output()
 
 
-def test_a_crash_with_no_spare_left_restarts_in_place(healthy_cluster: Cluster,
-                                                      reference_hash: str) -> None:
+def test_a_crash_with_no_spare_left_moves_the_rank_live_onto_its_own_node(healthy_cluster: Cluster,
+                                                                        reference_hash: str) -> None:
+    """The node outlived its rank's process and a replica holds the state: the node is its own
+    spare, no step is computed again (it restarted in place from the checkpoint before)."""
     c = healthy_cluster
     job = submit(c, "-N", "3", "--spares", "0")
     job.wait_step(6)
-    kill_rank(c, active_victim(c, job))
+    victim = active_victim(c, job)
+    kill_rank(c, victim)
     assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
     events = job.events()
     started = [e for e in events if e["kind"] == "migration_started"]
-    assert [e["mode"] for e in started] == ["restart-in-place"], events
+    assert [(e["mode"], e["failed"], e["spares"]) for e in started] == [("live", [victim], [victim])], events
     done = [e for e in events if e["kind"] == "migration_done"]
-    assert [d["resolution"] for d in done] == ["checkpoint"], done
+    assert [(d["resolution"], d["lost_steps"]) for d in done] == [("live", 0)], done
+    assert not [e for e in events if e["kind"] == "restarted"], events
     assert final_hash(job) == reference_hash
 
 

@@ -170,7 +170,9 @@ class Detectors:
         migration = self.job.migration
         if migration is None or migration.resolution not in (Resolution.LIVE, Resolution.REGROUP):
             return None
-        waited = self.clock.time() - migration.started
+        if self.job.holding is not None:  # a loss during the recovery waits for a spare
+            return None
+        waited = self.clock.time() - (migration.epoch_started or migration.started)
         if waited <= self.config.recovery_timeout:
             return None
         node = self.job.membership.node_of_rank(0)

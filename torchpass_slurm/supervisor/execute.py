@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchpass_slurm import events as ev
-from torchpass_slurm.config import SupervisorConfig
+from torchpass_slurm.config import NodeRole, SupervisorConfig
 from torchpass_slurm.control.bodies import PromoteMode
 from torchpass_slurm.control.server import ControlServer
 from torchpass_slurm.errors import SlurmError
@@ -76,6 +76,7 @@ class Executor:
         self.orders = Orders(job, server=server, config=config, clock=clock, store=store)
         #: the hold the plan being carried out ends (its losses were recorded when it began)
         self._held: Holding | None = None
+        self.in_place = InPlace(job, launcher, self.orders)
         self._actions = {
             Action.LIVE: self._live,
             Action.PLANNED: self._planned,
@@ -120,7 +121,7 @@ class Executor:
             self.job.holding = None
         for fault in plan.faults:
             if fault.loses_node and (held is None or fault not in held.faults):
-                self._record(fault)
+                record_loss(self.job, self.events, fault)
         if plan.stop:
             self.launcher.stop_lost([self.job.steps[n] for n in plan.stop], self.config.lost_stop_timeout)
             for node in plan.stop:
@@ -169,12 +170,24 @@ class Executor:
                 replaces=node,
                 ranks=list(new.ranks_of(spare)),
                 mode=PromoteMode.LIVE,
+                **({"in_place": True} if spare == node else {}),
             )
-        self.job.migration = chained(self.job.migration, new.epoch, self.clock.time(), committed, failed)
+        self.job.migration = chained(
+            self.job.migration, new.epoch, self.clock.time(), committed, failed, receiving=plan.promoted
+        )
         self.orders.reconfigure(survivors)
-        for spare in plan.promoted:
-            self.orders.promote(spare, PromoteMode.LIVE)
+        for spare, node in zip(plan.promoted, failed, strict=True):
+            if spare == node:
+                self.in_place.add(node, committed)
+            else:
+                self.orders.promote(spare, PromoteMode.LIVE)
         self.job.state = RunState.RECOVERING
+
+    def advance(self) -> None:
+        """Each loop pass: moves in place whose old step has ended get their standby, then the
+        promotions whose spares are ready go out."""
+        self.in_place.advance()
+        self.orders.advance()
 
     def _planned(self, plan: Plan) -> None:
         (fault,), (spare,) = plan.lost, plan.promoted
@@ -318,22 +331,6 @@ class Executor:
                 self.orders.stop_standby(node, f"node {plan.detail}")
                 self.job.releasing.add(node)
 
-    def _record(self, fault: Fault) -> None:
-        step = self.job.steps[fault.node]
-        m = self.job.membership
-        role = m.role_of(fault.node) if fault.node in m.active + m.spares else step.role
-        step.state = WorkerState.LOST
-        self.events.append(
-            _LOSS_EVENT[fault.detector],
-            node=fault.node,
-            role=role,
-            detector=fault.detector,
-            detail=fault.detail,
-            exit_code=fault.exit_code,
-            evidence=fault.evidence,
-        )
-        logger.warning("fault (%s): %s", fault.evidence or "-", fault.detail)
-
     def finish(self, state: RunState, exit_code: int, message: str) -> None:
         """End the job: spares leave, every step stops, the end is logged."""
         for node in self.job.membership.spares:
@@ -346,6 +343,54 @@ class Executor:
             kind, exit_code=exit_code, message=message, restarts=self.job.restarts, **supervisor_cpu()
         )
         (logger.info if state == RunState.SUCCEEDED else logger.error)("%s (exit %d)", message, exit_code)
+
+
+def record_loss(job: JobState, events: ev.EventLog, fault: Fault) -> None:
+    """``fault`` lost its node's step: the step is LOST, the loss is logged as its detector's event."""
+    step = job.steps[fault.node]
+    m = job.membership
+    role = m.role_of(fault.node) if fault.node in m.active + m.spares else step.role
+    step.state = WorkerState.LOST
+    events.append(
+        _LOSS_EVENT[fault.detector],
+        node=fault.node,
+        role=role,
+        detector=fault.detector,
+        detail=fault.detail,
+        exit_code=fault.exit_code,
+        evidence=fault.evidence,
+    )
+    logger.warning("fault (%s): %s", fault.evidence or "-", fault.detail)
+
+
+class InPlace:
+    """Live moves in place (``supervisor/plan.py``): a node that outlived its rank's fault is its
+    own spare. Once its old step has ended, a standby step starts there and is promoted live."""
+
+    def __init__(self, job: JobState, launcher: StepLauncher, orders: Orders) -> None:
+        self.job = job
+        self.launcher = launcher
+        self.orders = orders
+        #: nodes waiting for their old step to end
+        self._waiting: set[str] = set()
+
+    def add(self, node: str, committed: int | None) -> None:
+        """``node`` takes its rank back; ``committed``: the job's step now (repeated moves at one
+        step are counted: a crash that repeats is a bug, and the planner bounds them)."""
+        job = self.job
+        job.in_place_moves = job.in_place_moves + 1 if job.in_place_at == committed else 1
+        job.in_place_at = committed
+        self._waiting.add(node)
+
+    def advance(self) -> None:
+        for node in sorted(self._waiting):
+            if self.job.steps[node].poll() is None:
+                continue  # SIGTERMed with the loss; the launcher kills it past lost_stop_timeout
+            self._waiting.discard(node)
+            if node not in self.job.membership.active:
+                continue  # lost again meanwhile: planned afresh
+            self.job.steps[node] = self.launcher.launch(node, self.job.membership, role=NodeRole.SPARE)
+            self.orders.promote(node, PromoteMode.LIVE)
 
 
 def supervisor_cpu() -> dict[str, Any]:
@@ -367,20 +412,33 @@ def chained(
     committed: int | None,
     failed: Sequence[str],
     resolution: Resolution = Resolution.LIVE,
+    *,
+    receiving: Sequence[str] = (),
 ) -> Migration:
     """The :class:`~.state.Migration` of a recovery that starts now. One that starts while
     another is in flight (a fault during a recovery, a live move that fell back to a restart,
     a restart before the ranks resumed) continues its chain: the first one's start, its
     committed high mark (the chain's lost and recomputed steps count from it, once) and every
-    node lost since; it alone will be closed, with the chain's numbers."""
+    node lost since; it alone will be closed, with the chain's numbers. ``receiving``: the
+    spares promoted live now; with the chain's earlier ones not lost since, they hold no
+    replica until the chain is done."""
     if prev is None:
         return Migration(
-            epoch=epoch, started=now, committed=committed, failed=tuple(failed), resolution=resolution
+            epoch=epoch,
+            started=now,
+            committed=committed,
+            failed=tuple(failed),
+            resolution=resolution,
+            receiving=tuple(receiving),
+            epoch_started=now,
         )
+    earlier = tuple(n for n in prev.receiving if n not in failed or n in receiving)
     return Migration(
         epoch=epoch,
         started=prev.started,
         committed=prev.committed if prev.committed is not None else committed,
         failed=prev.failed + tuple(n for n in failed if n not in prev.failed),
         resolution=resolution,
+        receiving=earlier + tuple(n for n in receiving if n not in earlier),
+        epoch_started=now,
     )

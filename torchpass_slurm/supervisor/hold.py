@@ -6,9 +6,11 @@ Giving up would throw that state away, so the plan is ``hold``
 (``supervisor/plan.py``): the lost step is stopped and recorded as any loss,
 the survivors, whose collective failed, keep their processes and the
 committed step in memory and wait for their reconfigure, and the pool asks
-for a node for each held loss on top of its target. A held node keeps its
-slot (it is not given back to the pool): with no spare the planner restarts
-in place on a node that only lost its rank, and holds only when it cannot.
+for a node for each held loss on top of its target. The planner holds only
+when no lost node can be its own spare (a node that only lost its rank takes
+it back live in place) and no restart in place is possible. A loss during a
+live recovery in flight is held the same way (the stalled-recovery timeout
+waits while the job holds).
 
 Each loop pass, :func:`due` says when to hand the held faults back to the planner: once
 the pool holds a spare for each of them (the move is then live, its

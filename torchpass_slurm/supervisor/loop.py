@@ -175,7 +175,7 @@ class Supervisor:
         try:
             while not job.state.ended:
                 self._pump(POLL_SLICE)
-                self.executor.orders.advance()
+                self.executor.advance()
                 self.launcher.enforce()
                 self._reap()
                 self.executor.allocation.collect()
@@ -217,6 +217,8 @@ class Supervisor:
             in_place_restarts=job.in_place_restarts,
             layout=job.layout,
             spare_wait=self.pool.hold_left(),
+            receiving=job.migration.receiving if job.migration is not None else (),
+            in_place_moves=job.moves_in_place(),
         )
         plan = plan_recovery(faults, job.membership, workers, policy)
         logger.info("plan: %s for %s", plan.action, ", ".join(f"{f.detector} on {f.node}" for f in faults))

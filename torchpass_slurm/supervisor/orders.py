@@ -121,6 +121,9 @@ class Orders:
         """Tell the spare's standby tasks their ranks; its step starts as an active one."""
         step, m = self.job.steps[node], self.job.membership
         step.role, step.epoch, step.state = NodeRole.ACTIVE, m.epoch, WorkerState.STARTING
+        # a spare promoted live runs the elastic loop: a fault before its live_ready is planned
+        # with it as a rank that can rebuild (it holds no replica until its state has come)
+        step.live = step.live or mode == PromoteMode.LIVE
         step.heartbeats.clear()
         step.hello_senders.clear()
         step.started = self.clock.time()

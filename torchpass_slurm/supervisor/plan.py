@@ -11,6 +11,11 @@ carries the plan out. The decision, for the faults of one detection::
                                     a surviving replica of every lost rank
     unplanned      active           as above, but a lost rank's every         restart on spares
                                     replica lost too (pure FSDP: always)      (fallback "no replica")
+    unplanned      active           too few spares, but every lost node a     live migration,
+                                    spare cannot take outlived its rank's     in place (its rank
+                                    fault (a crash, a hang; Slurm calls it    restarts there and
+                                    usable), live migration otherwise         receives the state)
+                                    possible
     unplanned      active           enough spares (else: every lost node      restart on spares
                                     outlived its rank's fault, a crash or a   (restart in place)
                                     hang, and Slurm calls it usable)
@@ -34,10 +39,18 @@ plan that changes the membership moves it to the next epoch, once.
 A lost node that outlived its rank's fault (:func:`outlived`: the process
 exited, or the rank hung while its node's heartbeats went on, and Slurm calls
 the node usable) is not released: a live migration or a restart on spares
-gives it back to the spare pool (``returned``), and with no spare left it is
-where the job restarts in place. A silent node is never given back (it may be
-cut off); with no spare left it is restarted on only when its rank froze
-(evidence ``progress`` or ``timeout``: its slurmd was not found unreachable).
+gives it back to the spare pool (``returned``). With no spare left for it, it is
+its own spare: a live migration in place, where its rank restarts and receives
+the state from a replica (no step lost), else a checkpoint restart in place. A
+silent node is never given back (it may be cut off); with no spare left it is
+restarted on only when its rank froze (evidence ``progress`` or ``timeout``: its
+slurmd was not found unreachable). Live moves in place that repeat without the
+job's committed step moving are bounded as restarts in place are (a crash that
+repeats is a bug).
+
+A fault during a recovery is planned on the membership of the recovery in flight:
+a spare promoted live in it is on the elastic loop, but until its state has come
+it holds no replica (``Policy.receiving``).
 
 Replicas come from the job's device mesh (:class:`~torchpass_slurm.rank.layout.MeshLayout`,
 reported by sharded ranks; DDP is the mesh ``("replicate",)`` of the world). A planned or
@@ -127,6 +140,11 @@ class Policy:
     #: how long the job may still hold its committed step for a spare (0: it may not;
     #: ``supervisor/hold.py``)
     spare_wait: float = 0.0
+    #: nodes promoted live in the recovery in flight, their state not yet received: no
+    #: replica of anything
+    receiving: tuple[str, ...] = ()
+    #: live moves in place since the job's committed step last moved
+    in_place_moves: int = 0
 
     def mesh(self, world_size: int) -> MeshLayout:
         """The job's mesh; DDP over ``world_size`` when none fits (none was reported)."""
@@ -275,6 +293,9 @@ def _plan_unplanned(
                 "of their state; restarting from the checkpoint",
             )
         return _onto_spares(base, Action.LIVE if live and not orphans else Action.RESTART, after_drop, nodes)
+    in_place = _live_in_place(base, after_drop, workers, policy)
+    if in_place is not None:
+        return in_place
     first = lost[len(after_drop.spares)]  # the first loss no spare is left for
     crashed = all(_restartable(f, workers) for f in lost)
     if crashed and policy.in_place_restarts < policy.max_in_place_restarts:
@@ -307,9 +328,43 @@ def _plan_unplanned(
 
 
 def _without_replica(lost: Sequence[str], membership: Membership, policy: Policy) -> list[int]:
-    """The lost nodes' ranks that no surviving rank holds a replica of (by the job's mesh)."""
+    """The lost nodes' ranks, and those of the spares still receiving their state (they hold
+    none yet), that no other surviving rank holds a replica of (by the job's mesh)."""
     ranks = [r for node in lost for r in membership.ranks_of(node)]
-    return policy.mesh(membership.world_size).without_replica(ranks)
+    empty = [r for node in policy.receiving if node in membership.active for r in membership.ranks_of(node)]
+    return policy.mesh(membership.world_size).without_replica([*ranks, *empty])
+
+
+def _live_in_place(
+    base: Plan, pool: Membership, workers: Mapping[str, WorkerFacts], policy: Policy
+) -> Plan | None:
+    """Too few spares: the lost nodes that outlived their rank's fault are their own spares, a
+    live migration in place (the spares take the others' slots), when every other condition
+    of a live migration holds; else None."""
+    lost = base.lost
+    own = [f for f in lost if _restartable(f, workers)]
+    others = [f.node for f in lost if f not in own]
+    nodes = [f.node for f in lost]
+    if (
+        not own
+        or len(pool.spares) < len(others)
+        or policy.in_place_moves >= policy.max_in_place_restarts
+        or not _survivors_can_rebuild(nodes, pool, workers, policy)
+        or _without_replica(nodes, base.membership, policy)
+    ):
+        return None
+    new = pool.replace_all(others, epoch=base.membership.epoch + 1)
+    promoted = tuple(new.active[base.membership.slot_of(n)] for n in nodes)
+    where = ", ".join(f.node for f in own)
+    return dataclasses.replace(
+        base,
+        action=Action.LIVE,
+        membership=new,
+        promoted=promoted,
+        release=tuple(n for n in base.release if n not in promoted),
+        detail=f"{own[0].detail}; no hot spare left for {where}: its rank restarts there and "
+        "receives the state live from a replica",
+    )
 
 
 def _plan_stalled(base: Plan, fault: Fault, policy: Policy) -> Plan:

@@ -59,6 +59,11 @@ class Migration:
     agreed: int | None = None
     #: a planned migration's spares, promoted before the switch step
     promoted: tuple[str, ...] = ()
+    #: spares promoted live in the chain: no replica of anything until the recovery is done
+    receiving: tuple[str, ...] = ()
+    #: when the chain's latest recovery started (unix time; None: at ``started``), what a
+    #: stalled recovery is measured from
+    epoch_started: float | None = None
     #: a planned migration's leaving ranks have reported ``released``: the switch came
     left: bool = False
 
@@ -97,6 +102,9 @@ class JobState:
     holding: Holding | None = None
     restarts: int = 0
     in_place_restarts: int = 0
+    #: live moves in place (``supervisor/plan.py``) made at committed step ``in_place_at``
+    in_place_moves: int = 0
+    in_place_at: int | None = None
     #: drained nodes whose ranks are handing over, and those that have left the job
     releasing: set[str] = field(default_factory=set)
     released: set[str] = field(default_factory=set)
@@ -116,6 +124,11 @@ class JobState:
     def silence_clock(self, now: float) -> float:
         """The time silence is measured to: ``now``, or the end of the last read pass if earlier."""
         return now if self.heard_until is None else min(now, self.heard_until)
+
+    def moves_in_place(self) -> int:
+        """Live moves in place since the job's committed step last moved (a crash that repeats
+        at one step is a bug: they are bounded)."""
+        return self.in_place_moves if self.committed(list(self.membership.active)) == self.in_place_at else 0
 
     def live_steps(self) -> dict[str, WorkerStep]:
         """Steps still worth watching: not stopped, not ended, not lost."""

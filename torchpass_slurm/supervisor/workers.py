@@ -233,8 +233,10 @@ class StepLauncher:
         #: without a cpus-per-task request (``EXPANDED_NODE_UNSET``)
         self.expanded: set[str] = set()
 
-    def launch(self, node: str, membership: Membership) -> WorkerStep:
-        role = membership.role_of(node)
+    def launch(self, node: str, membership: Membership, *, role: cfg.NodeRole | None = None) -> WorkerStep:
+        """Start ``node``'s step in its role of ``membership``, or as ``role`` (a standby on an
+        active node that is its own spare: ``supervisor/execute.py``)."""
+        role = membership.role_of(node) if role is None else role
         env = dict(self.base_env)
         env.update(
             {

@@ -181,7 +181,8 @@ def test_a_straggler_beat_of_a_restarted_step_does_not_stall_the_recomputed_step
     last heartbeat of the old process on a node, arriving after the relaunch and before the new
     process's hello, once counted for the new step: its step stood above every recomputed one,
     the job's highest step stopped moving, and the ranks were declared hung (issue 24)."""
-    h, _ = live(spares=0)  # no spare: the crash restarts every rank in place from the checkpoint
+    # no spare and --recovery restart: the crash restarts every rank in place from the checkpoint
+    h, _ = live(spares=0, recovery="restart")
     h.world.phase.update({n: Phase.SYNC for n in ("c1", "c2", "c3")})
     h.world.crash("c2", 137, at=4.0)
     h.world.at(3.0, lambda: h.world.hello_delay.__setitem__("c1", 2.0))  # its relaunch imports

@@ -115,3 +115,36 @@ def test_the_status_snapshot_says_what_the_job_holds_for_and_until_when(tmp_path
     job.holding = Holding((lost,), since=990.0, until=5.0e6, wait_s=300.0)
     status = job_status(job, tmp_path, 1000.0)
     assert (status.holding, status.holding_until) == (("c3",), 1290.0)
+
+
+def test_a_loss_during_a_recovery_with_the_pool_empty_holds_then_moves_live(live: Live) -> None:
+    """Issue 24, item 5: c2's rank moves to the spare c4; before that recovery is done, c3 goes
+    silent too. The pool is empty, a replica (c1) holds the state: the job holds (it neither gives
+    up nor falls back to the checkpoint, and the stalled-recovery timeout does not run during the
+    hold), and the refill's node takes c3's rank live in the same chain of recoveries."""
+    config = dataclasses.replace(CONFIG, recovery_timeout=6.0)
+    h, ranks = live(refill=True, probe=True, config=config)
+    assert h.probe is not None
+    h.probe.gone.update({"c2", "c3"})  # powered off: their slurmd does not answer
+    wait_thread(h)
+    h.slurm.idle = []
+    ranks.stall.add(1)  # the first recovery never reaches its agreement: c3's loss comes mid-way
+    h.world.go_silent("c2", at=3.0)
+    ranks.fail_collective("c1", at=3.5)
+    h.world.go_silent("c3", at=7.0)
+    h.world.at(14.0, lambda: h.slurm.idle.append("c5"))  # past the first recovery's timeout
+
+    result = h.run()
+
+    assert (result.state, result.exit_code, result.restarts) == (RunState.SUCCEEDED, 0, 0)
+    (holding,) = h.of_kind(ev.HOLDING)
+    assert holding.fields["failed"] == ["c3"]
+    started = h.of_kind(ev.MIGRATION_STARTED)
+    assert [(e.fields["failed"], e.fields["spares"], e.fields["mode"]) for e in started] == [
+        (["c2"], ["c4"], "live"), (["c3"], ["c5"], "live")]
+    assert started[1].fields["chained_from"] == started[0].epoch
+    assert not h.of_kind(ev.RESTARTED)  # no stalled-recovery restart during the hold
+    (done,) = h.of_kind(ev.MIGRATION_DONE)
+    assert done.fields["resolution"] == "live" and sorted(done.fields["failed"]) == ["c2", "c3"]
+    m = h.supervisor.membership
+    assert (m.active, m.failed) == (("c1", "c4", "c5"), ("c2", "c3"))

@@ -280,3 +280,28 @@ def test_a_failed_collective_regroups_even_when_the_settle_blames_only_a_spare(l
     assert [e.fields["node"] for e in h.of_kind(ev.SPARE_LOST)] == ["c4"]
     assert sorted(to for to, _ in sent(h, msg.RECONFIGURE)) == ["c1/0", "c2/0", "c3/0"]
     assert [e.fields["resolution"] for e in h.of_kind(ev.MIGRATION_DONE)] == ["regroup"]
+
+
+def test_a_crash_with_no_spare_left_moves_the_rank_live_onto_its_own_node(live: Live) -> None:
+    """Issue 24: c2's process dies, its node lives, no spare is left. The node is its own spare:
+    once the old step has ended a standby step starts there and is promoted live, the state comes
+    from a replica, and no step is computed again (a restart in place went back to the
+    checkpoint)."""
+    h, ranks = live(spares=0)
+    h.world.crash("c2", 137, at=4.0)
+    ranks.fail_collective("c1", at=4.2)
+
+    result = h.run()
+
+    assert (result.state, result.exit_code, result.restarts) == (RunState.SUCCEEDED, 0, 0)
+    (started,) = h.of_kind(ev.MIGRATION_STARTED)
+    assert (started.fields["failed"], started.fields["spares"], started.fields["mode"]) == (["c2"], ["c2"], "live")
+    (promoted,) = h.of_kind(ev.SPARE_PROMOTED)
+    assert (promoted.fields["node"], promoted.fields["replaces"], promoted.fields["in_place"]) == ("c2", "c2", True)
+    assert h.launches()[3:] == [("c2", "spare", 1)]  # a standby on c2, after the three first steps
+    assert not h.of_kind(ev.RESTARTED)
+    (done,) = h.of_kind(ev.MIGRATION_DONE)
+    assert done.fields["resolution"] == "live" and done.fields["lost_steps"] == 0
+    m = h.supervisor.membership
+    assert (m.epoch, m.active, m.spares, m.failed) == (1, ("c1", "c2", "c3"), (), ())
+    assert h.supervisor.job.in_place_moves == 1

@@ -97,21 +97,64 @@ def test_plan(cls: str, spare: bool, elastic: bool, batch: bool, action: Action)
         assert "no hot spare left" in plan.detail and plan.exit_code == 1
 
 
-def test_a_crashed_rank_with_no_spare_restarts_in_place_on_a_usable_node() -> None:
-    fault = Fault(OTHER, Detector.STEP_EXITED, "srun step on n2 exited with status 137", 137)
+CRASH = Fault(OTHER, Detector.STEP_EXITED, "srun step on n2 exited with status 137", 137)
 
-    plan = plan_recovery([fault], membership(False), workers(True), POLICY)
 
-    assert plan.action == Action.RESTART_IN_PLACE
+def test_a_crashed_rank_with_no_spare_moves_live_onto_its_own_node() -> None:
+    """Issue 24: the node outlived its rank's fault and a replica holds the rank's state, so the
+    node is its own spare: no step is lost (a restart in place went back to the checkpoint)."""
+    plan = plan_recovery([CRASH], membership(False), workers(True), POLICY)
+
+    assert plan.action == Action.LIVE and plan.promoted == (OTHER,) and plan.lost == (CRASH,)
     assert plan.membership == membership(False).next_epoch()
-    assert plan.release == () and plan.stop == (OTHER,)
+    assert plan.release == () and plan.stop == (OTHER,) and plan.returned == ()
+    assert "no hot spare left for n2: its rank restarts there" in plan.detail
+
+
+def test_a_crashed_rank_with_no_spare_restarts_in_place_when_it_cannot_move_live() -> None:
+    off_loop = plan_recovery([CRASH], membership(False), workers(False), POLICY)
+    pure_fsdp = plan_recovery([CRASH], membership(False), workers(True),
+                              dataclasses.replace(POLICY, layout=MeshLayout(("shard",), (6,), replicate=None)))
+    repeated = plan_recovery([CRASH], membership(False), workers(True), dataclasses.replace(POLICY, in_place_moves=3))
+
+    for plan in (off_loop, pure_fsdp, repeated):
+        assert plan.action == Action.RESTART_IN_PLACE
+        assert plan.membership == membership(False).next_epoch()
+        assert plan.release == () and plan.stop == (OTHER,)
+
+
+def test_a_spare_takes_the_dead_node_and_the_crashed_one_is_its_own() -> None:
+    """Two losses, one spare: the spare goes where only a spare can (the dead node)."""
+    both = Membership(0, 1, (BATCH, OTHER, "n3", "n4"), ("s1",))
+    facts = {n: WorkerFacts(live=True, running=True, usable=n != "n3") for n in (*both.active, "s1")}
+    dead = Fault("n3", Detector.HEARTBEAT_LOST, "n3 silent for 1.2 s", evidence=Evidence.PROBE)
+
+    plan = plan_recovery([CRASH, dead], both, facts, POLICY)
+
+    assert plan.action == Action.LIVE and plan.promoted == (OTHER, "s1")
+    assert plan.membership.active == (BATCH, OTHER, "s1", "n4") and plan.membership.failed == ("n3",)
+    assert plan.release == ("n3",)
+
+
+def test_a_spare_still_receiving_its_state_is_no_replica() -> None:
+    """A fault during a live recovery: the spare promoted in it holds nothing yet. With the only
+    other replica lost too, the lost ranks' state is nowhere: no live move, in place or not."""
+    m = Membership(1, 1, (BATCH, OTHER, "s1"), ())
+    also = dataclasses.replace(CRASH, node=BATCH)
+    facts = {n: WorkerFacts(live=True, running=True, usable=True) for n in m.active}
+    receiving = dataclasses.replace(POLICY, receiving=("s1",))
+
+    assert plan_recovery([CRASH], m, facts, receiving).action == Action.LIVE  # b still holds it
+    assert plan_recovery([CRASH, also], m, facts, POLICY).promoted == (OTHER, BATCH)  # s1 holds it
+    orphaned = plan_recovery([CRASH, also], m, facts, receiving)
+    assert orphaned.action == Action.RESTART_IN_PLACE
 
 
 def test_in_place_restarts_are_bounded() -> None:
-    fault = Fault(OTHER, Detector.STEP_EXITED, "srun step on n2 exited with status 137", 137)
-    policy = Policy(has_store=True, batch_host=BATCH, in_place_restarts=3, max_in_place_restarts=3)
+    policy = Policy(has_store=True, batch_host=BATCH, in_place_restarts=3, max_in_place_restarts=3,
+                    in_place_moves=3)
 
-    plan = plan_recovery([fault], membership(False), workers(True), policy)
+    plan = plan_recovery([CRASH], membership(False), workers(True), policy)
 
     assert (plan.action, plan.exit_code) == (Action.GIVE_UP, 137)
     assert "3 in-place restarts already" in plan.detail
@@ -252,7 +295,7 @@ RANK_FAULTS = {
     "silent, peer saw a reset": (Detector.HEARTBEAT_LOST, Evidence.PEER_REPORT),
     "silent, slurmd unreachable": (Detector.HEARTBEAT_LOST, Evidence.PROBE),
 }
-#: (how, Slurm calls n2 usable) -> (n2 back to the pool with a spare, restart in place without one)
+#: (how, Slurm calls n2 usable) -> (n2 back to the pool with a spare, its own spare without one)
 OUTLIVED_TABLE = [
     ("process exited", True, True, True),
     ("rank hung, node beats", True, True, True),
@@ -279,8 +322,8 @@ def test_the_outlived_table_covers_every_combination() -> None:
 def test_a_node_that_outlived_its_ranks_fault_serves_the_job_again(
         how: str, usable: bool, returned: bool, in_place: bool) -> None:
     """Issue 24, item 4: with a spare, a node that lost only its rank goes back to the pool
-    (never released); without one, the job restarts in place on it, after a hang as after a
-    crash. A node that may be gone or cut off is neither."""
+    (never released); without one, it is its own spare, after a hang as after a crash. A node
+    that may be gone or cut off is neither."""
     fault, facts = rank_fault(how), workers(True, usable=usable)
     untrusted = fault.detector in (Detector.HEARTBEAT_LOST, Detector.RANK_HUNG)
 
@@ -291,8 +334,9 @@ def test_a_node_that_outlived_its_ranks_fault_serves_the_job_again(
     assert with_spare.stop == (OTHER,)
 
     without = plan_recovery([fault], membership(False), facts, POLICY)
-    assert without.action == (Action.RESTART_IN_PLACE if in_place else Action.GIVE_UP)
+    assert without.action == (Action.LIVE if in_place else Action.GIVE_UP)
     if in_place:
+        assert without.promoted == (OTHER,)
         assert without.release == () and without.stop == (OTHER,) and without.returned == ()
         assert without.membership == membership(False).next_epoch()
 
@@ -325,12 +369,12 @@ def test_a_dead_node_with_no_spare_ends_the_job_when_holding_cannot_help(
     assert "no hot spare left" in plan.detail
 
 
-def test_a_crash_with_no_spare_restarts_in_place_before_it_would_hold_and_holds_after_the_limit() -> None:
-    crash = Fault(OTHER, Detector.STEP_EXITED, "srun step on n2 exited with status 137", 137)
+def test_a_crash_with_no_spare_moves_in_place_before_it_would_hold_and_holds_after_the_limits() -> None:
+    first = plan_recovery([CRASH], membership(False), workers(True), HOLDING)
+    moved = dataclasses.replace(HOLDING, in_place_moves=3)
+    again = plan_recovery([CRASH], membership(False), workers(True), moved)
+    spent = plan_recovery([CRASH], membership(False), workers(True), dataclasses.replace(moved, in_place_restarts=3))
 
-    first = plan_recovery([crash], membership(False), workers(True), HOLDING)
-    spent = plan_recovery([crash], membership(False), workers(True),
-                          dataclasses.replace(HOLDING, in_place_restarts=3))
-
-    assert first.action == Action.RESTART_IN_PLACE
+    assert first.action == Action.LIVE and first.promoted == (OTHER,)
+    assert again.action == Action.RESTART_IN_PLACE
     assert spent.action == Action.HOLD
