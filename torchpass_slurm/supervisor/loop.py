@@ -141,6 +141,7 @@ class Supervisor:
             config=config,
             clock=clock,
             target=len(membership.spares) if refill else 0,
+            probe=probe,
         )
         #: what must live as long as the supervisor (the rendezvous store), closed after it
         self.keepalive: Any = None
@@ -210,16 +211,7 @@ class Supervisor:
     def _recover(self, faults: list[Fault]) -> None:
         job = self.job
         workers = worker_facts(job, self.detectors.usable)
-        policy = Policy(
-            recovery=self.recovery,
-            has_store=bool(self.store[1]),
-            batch_host=self.batch_host,
-            in_place_restarts=job.in_place_restarts,
-            layout=job.layout,
-            spare_wait=self.pool.hold_left(),
-            receiving=job.migration.receiving if job.migration is not None else (),
-            in_place_moves=job.moves_in_place(),
-        )
+        policy = policy_of(job, self.recovery, bool(self.store[1]), self.batch_host, self.pool.hold_left())
         plan = plan_recovery(faults, job.membership, workers, policy)
         logger.info("plan: %s for %s", plan.action, ", ".join(f"{f.detector} on {f.node}" for f in faults))
         self.executor.execute(plan)
@@ -374,6 +366,22 @@ class Supervisor:
             write_status(self.run_dir, job_status(self.job, self.run_dir, self.clock.time()))
         except OSError as err:
             logger.warning("could not write status.json: %s", err)
+
+
+def policy_of(
+    job: JobState, recovery: RecoveryPolicy, has_store: bool, batch_host: str, spare_wait: float
+) -> Policy:
+    """The planner's :class:`Policy` for ``job`` now: the standing choices, and its counters."""
+    return Policy(
+        recovery=recovery,
+        has_store=has_store,
+        batch_host=batch_host,
+        in_place_restarts=job.in_place_restarts,
+        layout=job.layout,
+        spare_wait=spare_wait,
+        receiving=job.migration.receiving if job.migration is not None else (),
+        in_place_moves=job.moves_in_place(),
+    )
 
 
 def worker_facts(job: JobState, usable: Mapping[str, bool]) -> dict[str, WorkerFacts]:

@@ -44,6 +44,8 @@ class ProbeResult:
     started: float
     reachable: bool
     detail: str
+    #: the slurmd accepted the connection: the node is up and Slurm's daemon on it runs
+    slurmd: bool = False
 
 
 class Probe(Protocol):
@@ -54,6 +56,8 @@ class Probe(Protocol):
     def verdict(self, node: str, since: float) -> ProbeResult | None: ...
 
     def node_of_address(self, address: str) -> str | None: ...
+
+    def probe_now(self, node: str) -> ProbeResult: ...
 
     def close(self) -> None: ...
 
@@ -104,11 +108,15 @@ class NodeProbe:
             except OSError as err:  # a name that does not resolve cannot be named by a peer either
                 logger.debug("cannot resolve %s: %s", node, err)
 
+    def probe_now(self, node: str) -> ProbeResult:
+        """Probe ``node`` on the calling thread (at most ``timeout`` s)."""
+        return self._probe(node)
+
     def _probe(self, node: str) -> ProbeResult:
         started = time.time()
         try:
             with socket.create_connection((node, self.port), timeout=self.timeout):
-                return ProbeResult(started, True, f"{node}:{self.port} accepts connections")
+                return ProbeResult(started, True, f"{node}:{self.port} accepts connections", slurmd=True)
         except ConnectionRefusedError:
             return ProbeResult(started, True, f"{node}:{self.port} refused (the host answers)")
         except socket.gaierror as err:  # a resolver's trouble is no evidence against the node

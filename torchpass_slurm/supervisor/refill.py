@@ -35,9 +35,12 @@ no more. :class:`SparePool` keeps the pool at S for the job's whole life:
   leaves the job, and once powered on again it stays ALLOCATED with no job on
   it until ``scontrol reconfigure`` (Slurm 24.11, measured). So a node the job
   lost is asked back only once its slurmd has started again since the loss
-  (repaired: ``scontrol show node``'s ``SlurmdStartTime``), or
+  (repaired: ``scontrol show node``'s ``SlurmdStartTime``), or its slurmd
+  accepts a TCP connection when the pool asks (the node never went down: a
+  rank that hung, a process killed; ``supervisor/probe.py``), or
   :data:`UNNOTICED_FACTOR` times ``SlurmdTimeout`` after the loss, when Slurm
-  has set it down if it is dead.
+  has set it down if it is dead. A hung rank's node waited 55 s for that
+  before the probe (trixie dev cluster, SlurmdTimeout 30 s).
 
 A node that outlived its rank's fault (``supervisor/plan.py``, ``outlived``:
 a crashed or hung process on a node Slurm calls usable) comes back first:
@@ -62,6 +65,7 @@ from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.errors import SlurmError
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.slurm.cli_backend import EXPANSION_BLOCKER
+from torchpass_slurm.supervisor.probe import Probe
 from torchpass_slurm.supervisor.state import Clock, JobState, RunState
 
 __all__ = ["SparePool", "Granted", "DEFAULT_SLURMD_TIMEOUT_S"]
@@ -95,9 +99,12 @@ class SparePool:
         config: SupervisorConfig,
         clock: Clock,
         target: int,
+        probe: Probe | None = None,
     ) -> None:
         self.job, self.slurm, self.events, self.config, self.clock = job, slurm, events, config, clock
         self.target = target
+        #: asks a lost node's slurmd whether it is up (None: only Slurm's word and the wait)
+        self.probe = probe
         #: requests in flight on the pool's thread
         self.asking = 0
         self._granted: list[Granted] = []
@@ -230,7 +237,8 @@ class SparePool:
 
     def _maybe_dead(self, now: float, lost: dict[str, tuple[float, float]]) -> set[str]:
         """The lost nodes Slurm might still grant though they are dead: lost less than
-        :data:`UNNOTICED_FACTOR` SlurmdTimeouts ago, and their slurmd not started since."""
+        :data:`UNNOTICED_FACTOR` SlurmdTimeouts ago, their slurmd not started since and not
+        accepting a connection now."""
         window = UNNOTICED_FACTOR * self._slurmd_timeout
         suspects = {n: wall for n, (at, wall) in lost.items() if now - at < window}
         if not suspects:
@@ -240,7 +248,17 @@ class SparePool:
         except SlurmError as err:
             logger.info("could not read when slurmd started on %s (%s)", ",".join(suspects), err)
             return set(suspects)
-        return {n for n, wall in suspects.items() if started.get(n, 0.0) <= wall}
+        stale = {n for n, wall in suspects.items() if started.get(n, 0.0) <= wall}
+        if self.probe is None:
+            return stale
+        return {n for n in stale if not self._answers(n)}
+
+    def _answers(self, node: str) -> bool:
+        assert self.probe is not None
+        result = self.probe.probe_now(node)
+        if result.slurmd:
+            logger.info("%s may serve again: %s", node, result.detail)
+        return result.slurmd
 
     def _blocker(self) -> str | None:
         """Why this cluster cannot refill (read once, on the first request), or None."""

@@ -647,6 +647,8 @@ class FakeProbe:
         self.latency = latency
         self.gone: set[str] = set()
         self.started: list[tuple[float, str]] = []
+        #: nodes probed with probe_now, in order
+        self.now_probed: list[str] = []
         self._running: dict[str, float] = {}
         self._done: dict[str, ProbeResult] = {}
 
@@ -665,6 +667,12 @@ class FakeProbe:
 
     def node_of_address(self, address: str) -> str | None:
         return f"c{address.rsplit('.', 1)[1]}" if address.startswith("10.0.0.") else None
+
+    def probe_now(self, node: str) -> ProbeResult:
+        """At once (the pool's thread would wait ``latency`` in real time)."""
+        up = node not in self.gone
+        self.now_probed.append(node)
+        return ProbeResult(self.clock.time(), up, f"{node}: fake probe", slurmd=up)
 
     def close(self) -> None:
         pass

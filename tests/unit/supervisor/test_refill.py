@@ -7,6 +7,7 @@ expansion runs on the dev cluster (``tests/cluster/test_spare_pool.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -243,3 +244,48 @@ def test_a_node_slurm_merges_twice_joins_once(live: Live) -> None:
     assert [e.fields["node"] for e in h.of_kind(ev.SPARE_ADDED)] == ["c5"]
     assert [e.fields["spares"] for e in h.of_kind(ev.MIGRATION_STARTED)] == [["c4"], ["c5"]]
     assert answered == ["c5", "c5"], "both requests came back with c5"
+
+
+def test_a_lost_node_whose_slurmd_answers_is_asked_back_without_waiting(live: Live) -> None:
+    """A rank froze on c2 (silent; its node and slurmd up, never restarted). Its rank moves live
+    to the spare and c2 leaves the job; when the pool asks for a node, c2's slurmd accepts a
+    connection, so c2 is not kept out UNNOTICED_FACTOR SlurmdTimeouts (3 min here): it is the
+    new spare at once. A node whose slurmd does not answer stays out (the next test file's
+    powered-off node, and test_a_lost_node_that_never_restarted_... without a probe)."""
+    h, ranks = live(refill=True, probe=True)
+    assert h.probe is not None
+    wait_thread(h)
+    h.slurm.slurmd_timeout = "60 sec"
+    h.slurm.started["c2"] = h.clock.time()
+    h.world.go_silent("c2", at=3.0)
+    ranks.fail_collective("c1", at=3.5)
+    h.world.at(4.0, lambda: h.slurm.idle.append("c2"))
+    h.world.at(10.0, lambda: h.world.silent.discard("c2"))  # lost and its process killed: it talks
+
+    result = h.run()
+
+    assert result.state == RunState.SUCCEEDED
+    (lost,) = h.of_kind(ev.HEARTBEAT_LOST)
+    assert lost.fields["evidence"] != "probe"  # the probe found the node up: a frozen rank
+    (added,) = h.of_kind(ev.SPARE_ADDED)
+    assert (added.fields["node"], added.fields["returned"]) == ("c2", False)
+    assert at_of(h, added) < at_of(h, lost) + 60.0
+    assert "c2" in h.probe.now_probed
+
+
+def test_a_lost_node_whose_slurmd_does_not_answer_is_kept_out(live: Live) -> None:
+    h, ranks = live(refill=True, probe=True, config=dataclasses.replace(CONFIG, spare_wait=0.0))
+    assert h.probe is not None
+    wait_thread(h)
+    h.slurm.slurmd_timeout = "60 sec"
+    h.slurm.started["c2"] = h.clock.time()
+    h.probe.gone.add("c2")  # powered off; Slurm has not noticed and calls it idle
+    h.world.go_silent("c2", at=3.0)
+    ranks.fail_collective("c1", at=3.5)
+    h.world.at(4.0, lambda: h.slurm.idle.append("c2"))
+
+    result = h.run()
+
+    assert result.state == RunState.SUCCEEDED
+    assert not h.of_kind(ev.SPARE_ADDED)
+    assert "c2" in h.probe.now_probed and ("c2",) not in h.slurm.expansions
