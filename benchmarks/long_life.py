@@ -159,13 +159,14 @@ def refills(events: Sequence[ev.Event], hit: Sequence[tuple[str, str, float]]) -
     """Each spare used, and the seconds to its replacement's standby, by mechanism (module doc);
     ``hit``: (node, fault kind, unix time) of each fault: a node the job lost to a power-off or a
     partition comes back repaired (rebooted); one lost to a frozen or killed process without
-    its slurmd restarting comes back 3 x SlurmdTimeout after its loss (``supervisor/refill.py``)."""
+    its slurmd restarting comes back once its slurmd answers the pool's probe, or 3 x
+    SlurmdTimeout after its loss (``supervisor/refill.py``)."""
     out: list[dict[str, Any]] = []
     added: dict[str, ev.Event] = {}
     used: list[ev.Event] = []
     for e in events:
         node = str(e.fields.get("node", ""))
-        if e.kind == ev.SPARE_PROMOTED:
+        if e.kind == ev.SPARE_PROMOTED and not e.fields.get("in_place"):  # in place: no spare used
             used.append(e)
         elif e.kind == ev.SPARE_ADDED:
             added[node] = e

@@ -1,14 +1,17 @@
 """A fault during a recovery stays live: the donor dies while it streams the state to the spare.
 
-A DDP job of 3 replicas and 2 spares, its supervisor on the service node (every training node
-can be lost). An active node is powered off; the spare that takes its rank receives the state
-from a surviving replica, the donor. Each donor waits before its second chunk
+A DDP job of 3 replicas, its supervisor on the service node (every training node can be lost).
+An active node is powered off; the spare that takes its rank receives the state from a
+surviving replica, the donor. Each donor waits before its second chunk
 (``TORCHPASS_TEST_STALL_CHUNK``, once per process), and in that wait the test kills the donor:
-its process, or its node. The second loss folds into the next epoch: the other spare takes the
-donor's rank, the last original replica streams the state to both spares (the first one resumes
+its process, or its node. The second loss folds into the next epoch: a node takes the donor's
+rank, the last original replica streams the state to it and to the first spare (which resumes
 after the chunk it already holds), and the job completes live, bitwise equal to the fault-free
-run, with no survivor lost on the way. The same holds when the second loss is the spare that
-receives (the next spare takes its rank) or the survivor waiting in the handover's barrier.
+run, with no survivor lost on the way. With one spare, the pool is empty when the donor dies:
+a donor whose process died is its own spare (its node lives), and a donor whose node died is
+held for until the refill's node joins. With two spares, the same holds when the second loss
+is the spare that receives (the next spare takes its rank) or the survivor waiting in the
+handover's barrier.
 
 The training is larger than the other tests' (d_model 128, 4 layers: a state of several 4 MB
 chunks, so that "mid-stream" means chunks already moved), so it has its own fault-free run.
@@ -78,9 +81,9 @@ def kill_mid_stream(c: Cluster, job: TpJob, who: str, kill: Callable[[str], None
     return victim, second
 
 
-def check(c: Cluster, job: TpJob, reference: str, victim: str, second: str, *, resumed: bool) -> None:
+def check(c: Cluster, job: TpJob, reference: str, victim: str, second: str, *, resumed: bool) -> list[dict]:
     """The job completed live and bitwise equal; only ``victim`` and ``second`` were replaced,
-    in one recovery; with ``resumed``, the spare kept the chunks it had received."""
+    in one recovery; with ``resumed``, the spare kept the chunks it had received. The events."""
     assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
     log = events(job)
     promoted = [e["replaces"] for e in log if e["kind"] == "spare_promoted"]
@@ -94,24 +97,33 @@ def check(c: Cluster, job: TpJob, reference: str, victim: str, second: str, *, r
     assert [sorted(d["failed"]) for d in log if d["kind"] == "migration_done"] == [sorted([victim, second])]
     assert_all_live(c, job, 2, recoveries=1)
     assert final_hash(job) == reference
+    return log
 
 
-#: (who dies in the donor's wait, how, whether the spare keeps the chunks it had received)
+#: (who dies in the donor's wait, how, whether the spare keeps the chunks it had received,
+#: spares reserved)
 DEATHS = [
-    pytest.param("donor", "process", True, id="donor-process"),
-    pytest.param("donor", "node", True, id="donor-node"),
-    pytest.param("receiver", "node", False, id="receiving-spare-node"),  # its chunks die with it
-    pytest.param("bystander", "process", True, id="survivor-in-the-barrier-process"),
+    pytest.param("donor", "process", True, 1, id="donor-process-its-own-spare"),
+    pytest.param("donor", "node", True, 1, id="donor-node-held-for-the-refill"),
+    pytest.param("receiver", "node", False, 2, id="receiving-spare-node"),  # its chunks die with it
+    pytest.param("bystander", "process", True, 2, id="survivor-in-the-barrier-process"),
 ]
 
 
-@pytest.mark.parametrize(("who", "how", "resumed"), DEATHS)
+@pytest.mark.parametrize(("who", "how", "resumed", "spares"), DEATHS)
 def test_a_death_mid_stream_folds_into_one_live_recovery(
-    healthy_cluster: Cluster, reference: str, who: str, how: str, resumed: bool
+    healthy_cluster: Cluster, reference: str, who: str, how: str, resumed: bool, spares: int
 ) -> None:
     c = healthy_cluster
-    job = submit(c, "--supervisor-partition", SERVICE_PARTITION, "-N", "3", "--spares", "2",
+    job = submit(c, "--supervisor-partition", SERVICE_PARTITION, "-N", "3", "--spares", str(spares),
                  train_args=ARGS, env=ENV)
     kill = c.kill if how == "node" else (lambda node: kill_rank(c, node))
     victim, second = kill_mid_stream(c, job, who, kill)
-    check(c, job, reference, victim, second, resumed=resumed)
+    log = check(c, job, reference, victim, second, resumed=resumed)
+    if spares == 1 and how == "process":  # its node outlived the process: it took the rank back
+        assert any(e["kind"] == "spare_promoted" and e.get("in_place") and e["node"] == second for e in log), log
+    elif spares == 1:  # the pool was empty: the job held, and the refill's node took the rank
+        holding = [e for e in log if e["kind"] == "holding"]
+        assert [h["failed"] for h in holding] == [[second]], holding
+        added = [e["node"] for e in log if e["kind"] == "spare_added"]
+        assert added and any(e["kind"] == "spare_promoted" and e["node"] == added[0] for e in log), log

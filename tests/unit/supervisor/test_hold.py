@@ -148,3 +148,25 @@ def test_a_loss_during_a_recovery_with_the_pool_empty_holds_then_moves_live(live
     assert done.fields["resolution"] == "live" and sorted(done.fields["failed"]) == ["c2", "c3"]
     m = h.supervisor.membership
     assert (m.active, m.failed) == (("c1", "c4", "c5"), ("c2", "c3"))
+
+
+def test_the_node_a_hold_waits_for_a_spare_for_is_never_asked_back_while_it_may_be_dead(live: Live) -> None:
+    """The held loss c3 keeps its slot, but its node is lost: Slurm, which has not noticed the
+    power cut, calls it idle at once; the pool's request must not take it back (measured: Slurm
+    granted the dead node, merged it, then cancelled the job when it set the node down)."""
+    h, ranks = live(refill=True)
+    wait_thread(h)
+    h.slurm.slurmd_timeout = "60 sec"
+    h.slurm.started.update({n: h.clock.time() for n in ("c2", "c3")})  # never restarted
+    h.slurm.idle = []
+    two_losses(h, ranks)
+    h.world.at(9.2, lambda: h.slurm.idle.append("c3"))  # idle to Slurm 0.2 s after the cut
+    h.world.at(16.0, lambda: h.slurm.idle.append("c5"))
+
+    result = h.run()
+
+    assert (result.state, result.restarts) == (RunState.SUCCEEDED, 0)
+    assert h.of_kind(ev.HOLDING)
+    assert ("c3",) not in h.slurm.expansions and ("c5",) in h.slurm.expansions
+    promoted = [(e.fields["node"], e.fields["replaces"]) for e in h.of_kind(ev.SPARE_PROMOTED)]
+    assert promoted == [("c4", "c2"), ("c5", "c3")]
