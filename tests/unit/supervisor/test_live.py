@@ -295,9 +295,9 @@ def test_a_crash_with_no_spare_left_moves_the_rank_live_onto_its_own_node(live: 
 
     assert (result.state, result.exit_code, result.restarts) == (RunState.SUCCEEDED, 0, 0)
     (started,) = h.of_kind(ev.MIGRATION_STARTED)
-    assert (started.fields["failed"], started.fields["spares"], started.fields["mode"]) == (["c2"], ["c2"], "live")
+    assert [started.fields[k] for k in ("failed", "spares", "mode")] == [["c2"], ["c2"], "live"]
     (promoted,) = h.of_kind(ev.SPARE_PROMOTED)
-    assert (promoted.fields["node"], promoted.fields["replaces"], promoted.fields["in_place"]) == ("c2", "c2", True)
+    assert [promoted.fields[k] for k in ("node", "replaces", "in_place")] == ["c2", "c2", True]
     assert h.launches()[3:] == [("c2", "spare", 1)]  # a standby on c2, after the three first steps
     assert not h.of_kind(ev.RESTARTED)
     (done,) = h.of_kind(ev.MIGRATION_DONE)

@@ -113,9 +113,10 @@ def test_a_crashed_rank_with_no_spare_moves_live_onto_its_own_node() -> None:
 
 def test_a_crashed_rank_with_no_spare_restarts_in_place_when_it_cannot_move_live() -> None:
     off_loop = plan_recovery([CRASH], membership(False), workers(False), POLICY)
-    pure_fsdp = plan_recovery([CRASH], membership(False), workers(True),
-                              dataclasses.replace(POLICY, layout=MeshLayout(("shard",), (6,), replicate=None)))
-    repeated = plan_recovery([CRASH], membership(False), workers(True), dataclasses.replace(POLICY, in_place_moves=3))
+    sharded = dataclasses.replace(POLICY, layout=MeshLayout(("shard",), (6,), replicate=None))
+    pure_fsdp = plan_recovery([CRASH], membership(False), workers(True), sharded)
+    again = dataclasses.replace(POLICY, in_place_moves=3)
+    repeated = plan_recovery([CRASH], membership(False), workers(True), again)
 
     for plan in (off_loop, pure_fsdp, repeated):
         assert plan.action == Action.RESTART_IN_PLACE
@@ -373,7 +374,8 @@ def test_a_crash_with_no_spare_moves_in_place_before_it_would_hold_and_holds_aft
     first = plan_recovery([CRASH], membership(False), workers(True), HOLDING)
     moved = dataclasses.replace(HOLDING, in_place_moves=3)
     again = plan_recovery([CRASH], membership(False), workers(True), moved)
-    spent = plan_recovery([CRASH], membership(False), workers(True), dataclasses.replace(moved, in_place_restarts=3))
+    spent = plan_recovery([CRASH], membership(False), workers(True),
+                          dataclasses.replace(moved, in_place_restarts=3))
 
     assert first.action == Action.LIVE and first.promoted == (OTHER,)
     assert again.action == Action.RESTART_IN_PLACE

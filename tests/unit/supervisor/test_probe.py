@@ -38,6 +38,21 @@ def test_a_listening_port_is_reachable(listener: socket.socket) -> None:
     probe.close()
 
 
+def test_only_a_listening_slurmd_says_the_node_may_serve_again(listener: socket.socket) -> None:
+    """``probe_now`` (the spare pool's, on its own thread): a refused connection is a host that
+    answers, not a slurmd that runs; only an accepted one lets a lost node back before Slurm's
+    SlurmdTimeout has passed."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening
+    probes = [NodeProbe([], port=s.getsockname()[1], timeout=1.0) for s in (listener, closed)]
+    up, refused = (p.probe_now("127.0.0.1") for p in probes)
+    for p in probes:
+        p.close()
+    closed.close()
+    assert up.reachable and up.slurmd
+    assert refused.reachable and not refused.slurmd
+
+
 def test_a_refused_connection_is_a_host_that_answers() -> None:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # bound, never listening: the kernel refuses
