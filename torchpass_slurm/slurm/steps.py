@@ -17,8 +17,12 @@ __all__ = ["srun_argv", "step_env", "EXPANDED_NODE_UNSET"]
 UNSAFE_STEP_ENV = ("SLURM_NO_KILL",)
 #: Not for a step on a node merged into the job by expansion (a spare refill): with any
 #: cpus-per-task request, from the batch script's environment or the command line, such a
-#: step stays pending for good ("Requested nodes are busy"; measured on Slurm 24.11).
+#: step stays pending for good ("Requested nodes are busy"; measured on Slurm 24.11). In a
+#: heterogeneous job (``tp-submit --supervisor-partition``) their per-component copies
+#: (``..._HET_GROUP_1``, and the older ``..._PACK_GROUP_1``) did the same: they go too.
 EXPANDED_NODE_UNSET = ("SLURM_CPUS_PER_TASK", "SLURM_TRES_PER_TASK")
+#: The suffixes of a heterogeneous job's per-component copies of a variable.
+_COMPONENT_COPIES = ("_HET_GROUP_", "_PACK_GROUP_")
 
 
 def srun_argv(
@@ -54,9 +58,13 @@ def srun_argv(
 def step_env(
     base: Mapping[str, str], extra: Mapping[str, str] | None = None, unset: Sequence[str] = ()
 ) -> dict[str, str]:
-    """``base`` plus ``extra``, without the variables that break srun nor those in ``unset``."""
+    """``base`` plus ``extra``, without the variables that break srun nor those in ``unset``
+    (with their copies per heterogeneous job component)."""
     env = dict(base)
     env.update(extra or {})
     for key in (*UNSAFE_STEP_ENV, *unset):
         env.pop(key, None)
+    copies = tuple(f"{key}{suffix}" for key in unset for suffix in _COMPONENT_COPIES)
+    for key in [k for k in env if copies and k.startswith(copies)]:
+        del env[key]
     return env

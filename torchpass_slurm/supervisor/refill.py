@@ -148,8 +148,8 @@ class SparePool:
         # a held loss keeps its slot until a spare takes it, but its node is as lost: Slurm
         # granted a node powered off 1.5 s earlier to the request a hold made, and merged into
         # the job, its death then cancelled the job (Slurm 24.11, a heterogeneous job)
-        held = self.job.holding.nodes if self.job.holding is not None else []
-        for node in [*self.job.membership.failed, *held]:
+        holding = self.job.holding.nodes if self.job.holding is not None else []
+        for node in [*self.job.membership.failed, *holding]:
             self._lost.setdefault(node, (self.clock.monotonic(), self.clock.time()))
         if self.target <= 0 or self.job.state not in (RunState.RUNNING, RunState.RECOVERING):
             return

@@ -10,7 +10,7 @@ import pytest
 
 from torchpass_slurm.errors import SlurmCommandError, SlurmError, SlurmTimeoutError
 from torchpass_slurm.slurm.cli_backend import CliSlurm
-from torchpass_slurm.slurm.steps import srun_argv, step_env
+from torchpass_slurm.slurm.steps import EXPANDED_NODE_UNSET, srun_argv, step_env
 
 from .conftest import FakeRunner, fixture_text
 
@@ -169,6 +169,19 @@ def test_srun_argv_rejects_nonsense(kwargs: dict) -> None:
 def test_step_env_drops_slurm_no_kill() -> None:
     env = step_env({"PATH": "/bin", "SLURM_NO_KILL": "1"}, {"TP_RANK": "0", "SLURM_NO_KILL": "1"})
     assert env == {"PATH": "/bin", "TP_RANK": "0"}
+
+
+def test_step_env_for_a_merged_node_drops_cpus_per_task_of_every_het_component() -> None:
+    """Measured on Slurm 24.11: a step on a node merged into a heterogeneous job's component
+    stayed pending ("Requested nodes are busy") with SLURM_CPUS_PER_TASK_HET_GROUP_1 set."""
+    base = {"PATH": "/bin", "SLURM_CPUS_PER_TASK": "2", "SLURM_CPUS_PER_TASK_HET_GROUP_0": "2",
+            "SLURM_CPUS_PER_TASK_HET_GROUP_1": "1", "SLURM_CPUS_PER_TASK_PACK_GROUP_1": "1",
+            "SLURM_TRES_PER_TASK_HET_GROUP_1": "cpu=1", "SLURM_CPUS_ON_NODE": "2",
+            "SLURM_JOB_NODELIST_HET_GROUP_1": "c[1-4]"}
+    env = step_env(base, {"TP_RANK": "0"}, EXPANDED_NODE_UNSET)
+    assert env == {"PATH": "/bin", "SLURM_CPUS_ON_NODE": "2", "SLURM_JOB_NODELIST_HET_GROUP_1": "c[1-4]",
+                   "TP_RANK": "0"}
+    assert step_env(base) == base  # a node of the original allocation keeps them
 
 
 def test_launch_step_spawns_srun_without_slurm_no_kill(
