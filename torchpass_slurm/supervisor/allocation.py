@@ -85,6 +85,13 @@ class Allocation:
         self.pending += 1
         self._orders.put((list(nodes), reason))
 
+    def rejoined(self, node: str) -> None:
+        """``node`` is the job's again (a refill merged it): a later loss releases it again
+        (measured: a node lost, refilled, then lost again stayed in the job, and the spare
+        pool, which excludes the job's nodes, found no node for 70 s)."""
+        self._asked.discard(node)
+        self.job.released.discard(node)
+
     def collect(self) -> None:
         """Log the shrinks that are done (on the loop's thread, which owns the event log)."""
         while True:

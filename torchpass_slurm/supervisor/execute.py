@@ -104,6 +104,7 @@ class Executor:
         self.change_membership(new)
         if not returned:
             self.launcher.expanded.add(node)
+            self.allocation.rejoined(node)
         self.job.steps[node] = self.launcher.launch(node, new)
         self.events.append(
             ev.SPARE_ADDED, node=node, seconds=waited, spares=list(new.spares), returned=returned

@@ -289,3 +289,35 @@ def test_a_lost_node_whose_slurmd_does_not_answer_is_kept_out(live: Live) -> Non
     assert result.state == RunState.SUCCEEDED
     assert not h.of_kind(ev.SPARE_ADDED)
     assert "c2" in h.probe.now_probed and ("c2",) not in h.slurm.expansions
+
+
+def test_a_node_lost_again_after_a_refill_brought_it_back_is_released_again(live: Live) -> None:
+    """c2 is lost and released; repaired, the pool merges it back as the spare; lost again (as
+    the active node it replaced c3 on), it leaves the job again. It once stayed in: the second
+    release was taken for a plan naming an old loss again, and the pool, which excludes the
+    job's own nodes, found no node for the next refill."""
+    h, ranks = live(refill=True)
+    wait_thread(h)
+    h.slurm.slurmd_timeout = "60 sec"
+    h.slurm.started["c2"] = h.clock.time()
+    h.slurm.idle = []
+    h.world.go_silent("c2", at=3.0)
+    ranks.fail_collective("c1", at=3.5)
+
+    def repaired() -> None:
+        h.world.silent.discard("c2")
+        h.slurm.started["c2"] = h.clock.time()
+        h.slurm.idle.append("c2")
+
+    h.world.at(7.0, repaired)
+    h.world.go_silent("c3", at=11.0)
+    ranks.fail_collective("c1", at=11.5)
+    h.world.go_silent("c2", at=15.0)
+    ranks.fail_collective("c1", at=15.5)
+
+    h.run()
+
+    released = [e.fields["node"] for e in h.of_kind(ev.NODE_RELEASED)]
+    assert released.count("c2") == 2, released
+    promoted = [(e.fields["node"], e.fields["replaces"]) for e in h.of_kind(ev.SPARE_PROMOTED)]
+    assert promoted[:2] == [("c4", "c2"), ("c2", "c3")], promoted
