@@ -258,6 +258,48 @@ def test_a_node_the_job_had_left_that_the_merge_gives_back_is_released_again(
     assert fake_runner.calls[-1].argv == ("scontrol", "update", "JobId=7", "NodeList=c[1-2,5]")
 
 
+def test_a_merge_slurm_22_05_declines_for_now_is_done_when_the_job_holds_the_node(
+    fake_runner: FakeRunner,
+) -> None:
+    """Slurm 22.05 without accounting refuses NumNodes=ALL for good ("the DB index is being
+    set"), but NumNodes=0 has moved the node into the job already (steps run on it)."""
+    before, after = _job_line(7, "c[1-3]"), _job_line(7, "c[1-4]")
+    answers = iter([before, before, after, after])
+    fake_runner.on(["scontrol", "-o", "show", "job", "7"], before)
+    salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=60", "--job-name=tp-spare-7"]
+    fake_runner.on([*salloc, "--partition=debug", "--exclude=c[1-3]"], "salloc: Granted job allocation 9\n")
+    fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c4"))
+    fake_runner.on(["scontrol", "update", "JobId=9", "NumNodes=0"])
+    not_yet = SlurmCommandError(["scontrol"], 1, "Job update not available right now, the DB index is being "
+                                "set, try again in a bit for job 7")
+    fake_runner.on(["scontrol", "update", "JobId=7", "NumNodes=ALL"], not_yet)
+    real_run = fake_runner.run
+
+    def run(argv, **kw):  # type: ignore[no-untyped-def]
+        if list(argv) == ["scontrol", "-o", "show", "job", "7"]:
+            fake_runner.answers[tuple(argv)] = next(answers, after)
+        return real_run(argv, **kw)
+
+    fake_runner.run = run  # type: ignore[method-assign]
+    assert make(fake_runner).expand_job(7, wait_s=60) == ("c4",)
+    assert not [c for c in fake_runner.calls if c.argv[0] == "scancel"]
+
+
+def test_a_merge_declined_for_now_without_the_node_in_the_job_gives_it_back(fake_runner: FakeRunner) -> None:
+    fake_runner.on(["scontrol", "-o", "show", "job", "7"], _job_line(7, "c1"))
+    salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=5", "--job-name=tp-spare-7"]
+    fake_runner.on([*salloc, "--partition=debug", "--exclude=c1"], "salloc: Granted job allocation 9\n")
+    fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c2"))
+    fake_runner.on(["scontrol", "update", "JobId=9", "NumNodes=0"])
+    not_yet = SlurmCommandError(["scontrol"], 1, "the DB index is being set, try again in a bit")
+    fake_runner.on(["scontrol", "update", "JobId=7", "NumNodes=ALL"], not_yet)
+    fake_runner.on(["scancel", "9"])
+
+    with pytest.raises(SlurmError, match="try again"):
+        make(fake_runner).expand_job(7, wait_s=5)
+    assert fake_runner.calls[-1].argv == ("scancel", "9")
+
+
 def test_a_merge_that_fails_gives_the_node_back(fake_runner: FakeRunner) -> None:
     fake_runner.on(["scontrol", "-o", "show", "job", "7"], _job_line(7, "c1"))
     salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=5", "--job-name=tp-spare-7"]
