@@ -16,7 +16,9 @@ Slurm says when a refusal is only for now ("try again in a bit": the job's
 database index is not set yet, just after it started): such a shrink is tried
 again after :data:`RETRY_DELAYS_S`, until the job ends. In the fault campaign
 on Slurm 22.05, 23 of the released nodes were refused that way and stayed in
-their job until it ended.
+their job until it ended. A lost node Slurm refused is ``unreleased``: in the
+allocation still, the spare pool may take it back once it is alive again
+(``supervisor/refill.py``), and its shrink is then dropped (:meth:`Allocation.rejoined`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ class Allocation:
         self.pending = 0
         #: nodes already asked out: a plan made again after a hold names its losses again
         self._asked: set[str] = set()
+        #: nodes the job took back while their shrink waited to be tried again
+        self._rejoined: set[str] = set()
 
     def release(self, node: str) -> None:
         """A drained node's step has ended: give the node back to Slurm (it becomes DRAINED)."""
@@ -79,6 +83,7 @@ class Allocation:
         if not nodes:
             return
         self._asked.update(nodes)
+        self._rejoined.difference_update(nodes)
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="torchpass-shrink", daemon=True)
             self._thread.start()
@@ -90,7 +95,9 @@ class Allocation:
         (measured: a node lost, refilled, then lost again stayed in the job, and the spare
         pool, which excludes the job's nodes, found no node for 70 s)."""
         self._asked.discard(node)
+        self._rejoined.add(node)
         self.job.released.discard(node)
+        self.job.unreleased.discard(node)
 
     def collect(self) -> None:
         """Log the shrinks that are done (on the loop's thread, which owns the event log)."""
@@ -131,6 +138,8 @@ class Allocation:
         delays = iter(RETRY_DELAYS_S)
         try:
             while True:
+                if all(n in self._rejoined for n in nodes):
+                    return "taken back into the job before Slurm would release it"
                 try:
                     held = self.slurm.job(self.job.job_id).nodes
                     keep = [n for n in held if n not in nodes]
@@ -139,6 +148,8 @@ class Allocation:
                     return None
                 except SlurmError as err:
                     delay = next(delays, None) if TRY_AGAIN in str(err) else None
+                    # in the allocation still: the spare pool may take it back in place
+                    self.job.unreleased.update(n for n in nodes if n not in self._rejoined)
                     if delay is None or self._closing.wait(delay):
                         raise
                     logger.info("Slurm cannot release %s yet; again in %.0f s", ",".join(nodes), delay)

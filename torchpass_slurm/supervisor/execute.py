@@ -96,18 +96,21 @@ class Executor:
         self.job.membership = new
         self.events.epoch = new.epoch
 
-    def add_spare(self, node: str, waited: float, *, returned: bool = False) -> None:
+    def add_spare(self, node: str, waited: float, *, returned: bool = False, in_job: bool = False) -> None:
         """A node joins the spare pool: its standby step starts. Slurm gave it to the job (a
         refill, ``waited`` s after it was asked for), or it is ``returned``: the job lost a rank
-        on it, not the node (``waited`` s ago)."""
+        on it, not the node (``waited`` s ago), or it is ``in_job``: lost, never released, and
+        alive again."""
         new = self.job.membership.with_spare(node)
         self.change_membership(new)
         if not returned:
-            self.launcher.expanded.add(node)
+            if not in_job:
+                self.launcher.expanded.add(node)
             self.allocation.rejoined(node)
         self.job.steps[node] = self.launcher.launch(node, new)
+        extra = {"in_job": True} if in_job else {}
         self.events.append(
-            ev.SPARE_ADDED, node=node, seconds=waited, spares=list(new.spares), returned=returned
+            ev.SPARE_ADDED, node=node, seconds=waited, spares=list(new.spares), returned=returned, **extra
         )
         since = "its rank was lost" if returned else "it was asked for"
         logger.info("%s joined the spare pool, %.1f s after %s", node, waited, since)

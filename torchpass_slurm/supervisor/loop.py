@@ -183,7 +183,10 @@ class Supervisor:
                 self.pool.check()
                 for granted in self.pool.ready():
                     self.executor.add_spare(
-                        granted.node, waited_s(granted, self.clock), returned=granted.returned
+                        granted.node,
+                        waited_s(granted, self.clock),
+                        returned=granted.returned,
+                        in_job=granted.in_job,
                     )
                 faults = self.detectors.detect()
                 if faults or hold.due(job, self.clock):

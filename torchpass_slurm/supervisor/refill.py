@@ -41,6 +41,11 @@ no more. :class:`SparePool` keeps the pool at S for the job's whole life:
   :data:`UNNOTICED_FACTOR` times ``SlurmdTimeout`` after the loss, when Slurm
   has set it down if it is dead. A hung rank's node waited 55 s for that
   before the probe (trixie dev cluster, SlurmdTimeout 30 s).
+* **A lost node Slurm would not release is taken back in place.** Slurm 22.05
+  without accounting refuses every shrink ("the DB index is being set"): the
+  lost node stays in the job's allocation, and requests, which exclude the
+  job's nodes, can never have it. Once alive again (as above) it joins as a
+  spare without a request (``spare_added`` with ``in_job``).
 
 A node that outlived its rank's fault (``supervisor/plan.py``, ``outlived``:
 a crashed or hung process on a node Slurm calls usable) comes back first:
@@ -85,6 +90,8 @@ class Granted:
     node: str
     requested_at: float  # monotonic
     returned: bool = False
+    #: a lost node that never left the job's allocation (Slurm would not release it)
+    in_job: bool = False
 
 
 class SparePool:
@@ -111,7 +118,9 @@ class SparePool:
         #: lost nodes that outlived their rank's fault, waiting for their old step to end
         self._returning: list[Granted] = []
         #: (requested at, the nodes or None, Slurm's error, whether the cluster rules refills out)
-        self._outcomes: queue.SimpleQueue[tuple[float, tuple[str, ...] | None, str, bool]] = (
+        #: (requested at, the nodes or None, Slurm's error, whether the cluster rules refills
+        #: out, whether the nodes are in the job's allocation already)
+        self._outcomes: queue.SimpleQueue[tuple[float, tuple[str, ...] | None, str, bool, bool]] = (
             queue.SimpleQueue()
         )
         self._next_try = 0.0
@@ -173,7 +182,10 @@ class SparePool:
         self.asking += 1
         self.events.append(ev.SPARE_REQUESTED, held=len(self.job.membership.spares), target=self.target)
         lost = dict(self._lost)
-        thread = threading.Thread(target=self._ask, args=(now, lost), name="torchpass-refill", daemon=True)
+        kept = {n: at for n, at in lost.items() if n in self.job.unreleased}
+        thread = threading.Thread(
+            target=self._ask, args=(now, lost, kept), name="torchpass-refill", daemon=True
+        )
         thread.start()
 
     def give_back(self, node: str) -> None:
@@ -220,11 +232,17 @@ class SparePool:
             logger.warning("could not withdraw the request for a spare: %s", err)
 
     # -- Slurm, on the pool's thread --------------------------------------------------
-    def _ask(self, requested_at: float, lost: dict[str, tuple[float, float]]) -> None:
+    def _ask(
+        self, requested_at: float, lost: dict[str, tuple[float, float]], kept: dict[str, tuple[float, float]]
+    ) -> None:
         try:
             blocker = self._blocker()
             if blocker is not None:
-                self._outcomes.put((requested_at, None, blocker, True))
+                self._outcomes.put((requested_at, None, blocker, True, False))
+                return
+            alive = sorted(set(kept) - self._maybe_dead(requested_at, kept)) if kept else []
+            if alive:  # in the allocation still, and alive again: no request needed
+                self._outcomes.put((requested_at, (alive[0],), "", False, True))
                 return
             # never a node the job gave back as drained (maintenance, a bad health check), nor
             # one it lost that may be dead though Slurm does not know it yet
@@ -232,12 +250,12 @@ class SparePool:
             nodes = self.slurm.expand_job(
                 self.job.job_id, wait_s=round(self.config.refill_wait), exclude=exclude
             )
-            self._outcomes.put((requested_at, nodes, "", False))
+            self._outcomes.put((requested_at, nodes, "", False, False))
         except SlurmError as err:
-            self._outcomes.put((requested_at, None, str(err), False))
+            self._outcomes.put((requested_at, None, str(err), False, False))
         except Exception as err:  # deliberately broad: the thread must report, not die silently
             logger.exception("asking Slurm for a spare failed")
-            self._outcomes.put((requested_at, None, repr(err), False))
+            self._outcomes.put((requested_at, None, repr(err), False, False))
 
     def _maybe_dead(self, now: float, lost: dict[str, tuple[float, float]]) -> set[str]:
         """The lost nodes Slurm might still grant though they are dead: lost less than
@@ -288,7 +306,7 @@ class SparePool:
     def _collect(self) -> None:
         while True:
             try:
-                requested_at, nodes, error, blocked = self._outcomes.get_nowait()
+                requested_at, nodes, error, blocked, in_job = self._outcomes.get_nowait()
             except queue.Empty:
                 return
             self.asking -= 1
@@ -302,7 +320,7 @@ class SparePool:
                 self.events.append(ev.SPARE_REFUSED, error=error[:500], seconds=waited)
                 logger.warning("Slurm gave no spare (again in %.0f s): %s", self.config.refill_retry, error)
             else:
-                self._granted.extend(Granted(node, requested_at) for node in nodes)
+                self._granted.extend(Granted(node, requested_at, in_job=in_job) for node in nodes)
 
 
 def waited_s(granted: Granted, clock: Clock) -> float:

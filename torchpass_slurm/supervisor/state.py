@@ -108,6 +108,8 @@ class JobState:
     #: drained nodes whose ranks are handing over, and those that have left the job
     releasing: set[str] = field(default_factory=set)
     released: set[str] = field(default_factory=set)
+    #: lost nodes Slurm would not release: still in the job's allocation
+    unreleased: set[str] = field(default_factory=set)
     exit_code: int = 1
     message: str = ""
     #: the training's pace, from the highest step heartbeats carry

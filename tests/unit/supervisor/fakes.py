@@ -154,6 +154,8 @@ class FakeSlurm:
         self.idle: list[str] = []
         self.prolog_flags = ""
         self.slurmd_timeout = "300 sec"
+        #: what every shrink raises (Slurm 22.05 without accounting refuses them all)
+        self.shrink_error: SlurmError | None = None
         self.expansions: list[tuple[str, ...]] = []  # nodes each expand_job() gave (or () refused)
         self.withdrawn = 0  # cancel_expansion() calls
         #: node -> when its slurmd started (wall seconds); a node not here says nothing
@@ -175,6 +177,8 @@ class FakeSlurm:
         self.set_node(node, "MIXED", "DRAIN", reason=reason)
 
     def shrink_job(self, job_id: int, keep_nodes: Iterable[str]) -> None:
+        if self.shrink_error is not None:
+            raise self.shrink_error
         self.shrinks.append(list(keep_nodes))
         self.job_nodes = list(self.shrinks[-1])
 
