@@ -44,8 +44,11 @@ no more. :class:`SparePool` keeps the pool at S for the job's whole life:
 * **A lost node Slurm would not release is taken back in place.** Slurm 22.05
   without accounting refuses every shrink ("the DB index is being set"): the
   lost node stays in the job's allocation, and requests, which exclude the
-  job's nodes, can never have it. Once alive again (as above) it joins as a
-  spare without a request (``spare_added`` with ``in_job``).
+  job's nodes, can never have it. When it never went down (its slurmd, not
+  restarted since the loss, accepts the probe: a rank that hung, a process
+  killed) it joins as a spare without a request (``spare_added`` with
+  ``in_job``). A node powered off and on again is not: Slurm still counted
+  its lost step on it, and a new step there stayed pending.
 
 A node that outlived its rank's fault (``supervisor/plan.py``, ``outlived``:
 a crashed or hung process on a node Slurm calls usable) comes back first:
@@ -240,8 +243,8 @@ class SparePool:
             if blocker is not None:
                 self._outcomes.put((requested_at, None, blocker, True, False))
                 return
-            alive = sorted(set(kept) - self._maybe_dead(requested_at, kept)) if kept else []
-            if alive:  # in the allocation still, and alive again: no request needed
+            alive = self._alive_in_job(kept) if kept else []
+            if alive:  # in the allocation still, and alive: no request needed
                 self._outcomes.put((requested_at, (alive[0],), "", False, True))
                 return
             # never a node the job gave back as drained (maintenance, a bad health check), nor
@@ -256,6 +259,21 @@ class SparePool:
         except Exception as err:  # deliberately broad: the thread must report, not die silently
             logger.exception("asking Slurm for a spare failed")
             self._outcomes.put((requested_at, None, repr(err), False, False))
+
+    def _alive_in_job(self, kept: dict[str, tuple[float, float]]) -> list[str]:
+        """The lost nodes still in the allocation that never went down: their slurmd has not
+        restarted since the loss and accepts a connection (a rank that hung, a process killed).
+        Not one powered off and on again: Slurm 22.05 kept its lost step running on it, and a
+        new step there stayed pending (the bookworm dev cluster)."""
+        if self.probe is None:
+            return []
+        try:
+            started = self.slurm.slurmd_started(kept)
+        except SlurmError as err:
+            logger.info("could not read when slurmd started on %s (%s)", ",".join(kept), err)
+            return []
+        same = sorted(n for n, (_, wall) in kept.items() if started.get(n, 0.0) <= wall)
+        return [n for n in same if self._answers(n)]
 
     def _maybe_dead(self, now: float, lost: dict[str, tuple[float, float]]) -> set[str]:
         """The lost nodes Slurm might still grant though they are dead: lost less than
