@@ -120,7 +120,6 @@ class SparePool:
         self._granted: list[Granted] = []
         #: lost nodes that outlived their rank's fault, waiting for their old step to end
         self._returning: list[Granted] = []
-        #: (requested at, the nodes or None, Slurm's error, whether the cluster rules refills out)
         #: (requested at, the nodes or None, Slurm's error, whether the cluster rules refills
         #: out, whether the nodes are in the job's allocation already)
         self._outcomes: queue.SimpleQueue[tuple[float, tuple[str, ...] | None, str, bool, bool]] = (
@@ -267,13 +266,8 @@ class SparePool:
         new step there stayed pending (the bookworm dev cluster)."""
         if self.probe is None:
             return []
-        try:
-            started = self.slurm.slurmd_started(kept)
-        except SlurmError as err:
-            logger.info("could not read when slurmd started on %s (%s)", ",".join(kept), err)
-            return []
-        same = sorted(n for n, (_, wall) in kept.items() if started.get(n, 0.0) <= wall)
-        return [n for n in same if self._answers(n)]
+        same = self._not_restarted({n: wall for n, (_, wall) in kept.items()})
+        return [n for n in sorted(same or ()) if self._answers(n)]
 
     def _maybe_dead(self, now: float, lost: dict[str, tuple[float, float]]) -> set[str]:
         """The lost nodes Slurm might still grant though they are dead: lost less than
@@ -283,15 +277,22 @@ class SparePool:
         suspects = {n: wall for n, (at, wall) in lost.items() if now - at < window}
         if not suspects:
             return set()
-        try:
-            started = self.slurm.slurmd_started(suspects)
-        except SlurmError as err:
-            logger.info("could not read when slurmd started on %s (%s)", ",".join(suspects), err)
+        stale = self._not_restarted(suspects)
+        if stale is None:
             return set(suspects)
-        stale = {n for n, wall in suspects.items() if started.get(n, 0.0) <= wall}
         if self.probe is None:
             return stale
         return {n for n in stale if not self._answers(n)}
+
+    def _not_restarted(self, lost_at: dict[str, float]) -> set[str] | None:
+        """The nodes whose slurmd has not started since their loss (``lost_at``: unix time), or
+        None when Slurm could not say."""
+        try:
+            started = self.slurm.slurmd_started(lost_at)
+        except SlurmError as err:
+            logger.info("could not read when slurmd started on %s (%s)", ",".join(lost_at), err)
+            return None
+        return {n for n, wall in lost_at.items() if started.get(n, 0.0) <= wall}
 
     def _answers(self, node: str) -> bool:
         assert self.probe is not None
