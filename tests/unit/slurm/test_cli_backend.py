@@ -218,6 +218,21 @@ def _job_line(job_id: int, nodes: str) -> str:
     return " ".join(f"NodeList={nodes}" if w.startswith("NodeList=") else w for w in line.split(" "))
 
 
+def _job_7_in_turn(fake_runner: FakeRunner, first: list[str], then: str) -> None:
+    """``scontrol -o show job 7`` answers ``first`` in turn, then ``then`` for good (the job's
+    nodes before and after a merge)."""
+    answers = iter(first)
+    fake_runner.on(["scontrol", "-o", "show", "job", "7"], first[0])
+    real_run = fake_runner.run
+
+    def run(argv, **kw):  # type: ignore[no-untyped-def]
+        if list(argv) == ["scontrol", "-o", "show", "job", "7"]:
+            fake_runner.answers[tuple(argv)] = next(answers, then)
+        return real_run(argv, **kw)
+
+    fake_runner.run = run  # type: ignore[method-assign]
+
+
 def test_expand_job_asks_for_one_node_beside_the_job_and_merges_it(fake_runner: FakeRunner) -> None:
     fake_runner.on(["scontrol", "-o", "show", "job", "7"], _job_line(7, "c[1-3]"))
     salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=60", "--job-name=tp-spare-7"]
@@ -238,22 +253,13 @@ def test_a_node_the_job_had_left_that_the_merge_gives_back_is_released_again(
 ) -> None:
     """Slurm 24.11: after a merge the job held c3 again, which it had shrunk out (dead)."""
     before, after = _job_line(7, "c[1-2]"), _job_line(7, "c[1-3,5]")
-    answers = iter([before, before, after])
-    fake_runner.on(["scontrol", "-o", "show", "job", "7"], before)
+    _job_7_in_turn(fake_runner, [before, before], after)
     salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=60", "--job-name=tp-spare-7"]
     fake_runner.on([*salloc, "--partition=debug", "--exclude=c[1-3]"], "salloc: Granted job allocation 9\n")
     fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c5"))
     fake_runner.on(["scontrol", "update", "JobId=9", "NumNodes=0"])
     fake_runner.on(["scontrol", "update", "JobId=7", "NumNodes=ALL"])
     fake_runner.on(["scontrol", "update", "JobId=7", "NodeList=c[1-2,5]"])
-    real_run = fake_runner.run
-
-    def run(argv, **kw):  # type: ignore[no-untyped-def]
-        if list(argv) == ["scontrol", "-o", "show", "job", "7"]:
-            fake_runner.answers[tuple(argv)] = next(answers, after)
-        return real_run(argv, **kw)
-
-    fake_runner.run = run  # type: ignore[method-assign]
     assert make(fake_runner).expand_job(7, wait_s=60, exclude=["c3"]) == ("c5",)
     assert fake_runner.calls[-1].argv == ("scontrol", "update", "JobId=7", "NodeList=c[1-2,5]")
 
@@ -264,8 +270,7 @@ def test_a_merge_slurm_22_05_declines_for_now_is_done_when_the_job_holds_the_nod
     """Slurm 22.05 without accounting refuses NumNodes=ALL for good ("the DB index is being
     set"), but NumNodes=0 has moved the node into the job already (steps run on it)."""
     before, after = _job_line(7, "c[1-3]"), _job_line(7, "c[1-4]")
-    answers = iter([before, before, after, after])
-    fake_runner.on(["scontrol", "-o", "show", "job", "7"], before)
+    _job_7_in_turn(fake_runner, [before, before], after)
     salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=60", "--job-name=tp-spare-7"]
     fake_runner.on([*salloc, "--partition=debug", "--exclude=c[1-3]"], "salloc: Granted job allocation 9\n")
     fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c4"))
@@ -273,14 +278,6 @@ def test_a_merge_slurm_22_05_declines_for_now_is_done_when_the_job_holds_the_nod
     not_yet = SlurmCommandError(["scontrol"], 1, "Job update not available right now, the DB index is being "
                                 "set, try again in a bit for job 7")
     fake_runner.on(["scontrol", "update", "JobId=7", "NumNodes=ALL"], not_yet)
-    real_run = fake_runner.run
-
-    def run(argv, **kw):  # type: ignore[no-untyped-def]
-        if list(argv) == ["scontrol", "-o", "show", "job", "7"]:
-            fake_runner.answers[tuple(argv)] = next(answers, after)
-        return real_run(argv, **kw)
-
-    fake_runner.run = run  # type: ignore[method-assign]
     assert make(fake_runner).expand_job(7, wait_s=60) == ("c4",)
     assert not [c for c in fake_runner.calls if c.argv[0] == "scancel"]
 
