@@ -19,7 +19,7 @@ append-only and the reader knows the fragment before that event is not
 garbage.
 
 What is written is what can be read: :meth:`EventLog.append` refuses a field
-that is not plain JSON by the rules of :mod:`torchpass_slurm.control.jsonsafe`
+that is not plain JSON by the rules of :mod:`torchpass_slurm.jsonsafe`
 (finite numbers, integers within 64 bits, nesting at most
 :data:`MAX_FIELD_NESTING` deep), so that a malformed report a rank sent
 cannot make the log unreadable. Any other bad line (an edit, another writer)
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchpass_slurm.control import jsonsafe
+from torchpass_slurm import jsonsafe
 from torchpass_slurm.errors import EventLogError
 
 __all__ = [

@@ -27,11 +27,11 @@ torchpass_slurm`` alone imports none of this.
 
 from __future__ import annotations
 
+from torchpass_slurm.mesh import MeshLayout
 from torchpass_slurm.rank import checkpoint
 from torchpass_slurm.rank.checkpoint import RNGState, TrainState
 from torchpass_slurm.rank.elastic import ElasticTrainer
 from torchpass_slurm.rank.group import leave
-from torchpass_slurm.rank.layout import MeshLayout
 from torchpass_slurm.rank.rankinfo import RankInfo, Role
 from torchpass_slurm.rank.runtime import Runtime, init
 from torchpass_slurm.rank.sharded import ShardedTrainer

@@ -23,7 +23,7 @@ INTERNAL = {
     "RankInfo": "torchpass_slurm.rank.rankinfo:RankInfo",
     "ElasticTrainer": "torchpass_slurm.rank.elastic:ElasticTrainer",
     "ShardedTrainer": "torchpass_slurm.rank.sharded:ShardedTrainer",
-    "MeshLayout": "torchpass_slurm.rank.layout:MeshLayout",
+    "MeshLayout": "torchpass_slurm.mesh:MeshLayout",
     "checkpoint": "torchpass_slurm.rank.checkpoint",
     "TrainState": "torchpass_slurm.rank.checkpoint:TrainState",
     "RNGState": "torchpass_slurm.rank.checkpoint:RNGState",

@@ -17,7 +17,7 @@ from typing import Any
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.control.rankstate import check_copies
 from torchpass_slurm.errors import ControlPlaneError
-from torchpass_slurm.rank.layout import MeshLayout
+from torchpass_slurm.mesh import MeshLayout
 from torchpass_slurm.strenum import StrEnum
 
 __all__ = ["PromoteMode", "Promote", "Reconfigure", "Stop", "Report"]

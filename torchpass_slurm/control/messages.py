@@ -46,7 +46,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
-from torchpass_slurm.control import jsonsafe, rankstate
+from torchpass_slurm import jsonsafe
+from torchpass_slurm.control import rankstate
 from torchpass_slurm.control.kinds import Kind, ReportKind
 from torchpass_slurm.control.refusals import RefusalLog, cause_of
 from torchpass_slurm.errors import AuthenticationError, ControlPlaneError
@@ -383,7 +384,7 @@ _ENVELOPE = frozenset({"body", "kind", "sender", "seq", "to", "ts"})
 
 
 def _parse_payload(payload: bytes) -> Message:
-    """The envelope, parsed by :func:`~torchpass_slurm.control.jsonsafe.loads`: nesting,
+    """The envelope, parsed by :func:`~torchpass_slurm.jsonsafe.loads`: nesting,
     integers and NaN/Infinity are refused before ``json`` can recurse, overflow or let them in."""
     try:
         obj = jsonsafe.loads(payload.decode("ascii"), max_depth=MAX_NESTING)

@@ -16,7 +16,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from torchpass_slurm.control import jsonsafe
+from torchpass_slurm import jsonsafe
 from torchpass_slurm.errors import ControlPlaneError
 
 __all__ = [

@@ -130,7 +130,7 @@ class _CheckpointEntry:
         return {f"rank{self.owner.rt.rank}": buf}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        from torchpass_slurm.control import jsonsafe
+        from torchpass_slurm import jsonsafe
 
         key = f"rank{self.owner.rt.rank}"
         if key not in state_dict:

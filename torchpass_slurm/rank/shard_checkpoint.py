@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchpass_slurm.errors import CheckpointError, TransferError
+from torchpass_slurm.mesh import MeshLayout
 from torchpass_slurm.rank.checkpoint import (
     _barrier,
     _broadcast_int,
@@ -39,7 +40,6 @@ from torchpass_slurm.rank.checkpoint import (
     staged_save,
     step_dir,
 )
-from torchpass_slurm.rank.layout import MeshLayout
 from torchpass_slurm.rank.shard_state import load_local_state, local_state
 
 if TYPE_CHECKING:

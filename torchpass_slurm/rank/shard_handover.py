@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.errors import NoReplicaError, TransferError
+from torchpass_slurm.mesh import MeshLayout, assign_donors
 from torchpass_slurm.rank.handover import TRANSFER_TIMEOUT, report_transfer
-from torchpass_slurm.rank.layout import MeshLayout, assign_donors
 from torchpass_slurm.rank.runtime import Runtime
 from torchpass_slurm.rank.shard_state import check_specs, load_local_state, local_state
 

@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any, cast
 from torchpass_slurm.control.bodies import Reconfigure
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.errors import TransferError
+from torchpass_slurm.mesh import MeshLayout
 from torchpass_slurm.rank.elastic import ElasticTrainer
 from torchpass_slurm.rank.group import adopt_subgroup_sockets, destroy_group, group_sockets, socket_inodes
-from torchpass_slurm.rank.layout import MeshLayout
 from torchpass_slurm.rank.runtime import Runtime
 from torchpass_slurm.rank.shard_handover import LeavingDonor, ShardHandover, shard_meta
 from torchpass_slurm.rank.shard_state import check_specs, load_local_state, local_state

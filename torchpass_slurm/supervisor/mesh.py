@@ -1,6 +1,6 @@
 """The job's device mesh, as the ranks report it: kept once, refused when it cannot be the job's.
 
-A sharded rank reports its :class:`~torchpass_slurm.rank.layout.MeshLayout` in the ``mesh``
+A sharded rank reports its :class:`~torchpass_slurm.mesh.MeshLayout` in the ``mesh``
 field of its ``live_ready`` (the control plane has checked that it is one). The planner
 decides from it whether a lost rank's state survives in a replica
 (:func:`~torchpass_slurm.supervisor.plan.plan_recovery`), so a layout that does not fit
@@ -14,7 +14,7 @@ import logging
 
 from torchpass_slurm import events as ev
 from torchpass_slurm.control.bodies import Report
-from torchpass_slurm.rank.layout import MeshLayout
+from torchpass_slurm.mesh import MeshLayout
 from torchpass_slurm.supervisor.state import JobState
 
 __all__ = ["accept_mesh", "mesh_refusal"]

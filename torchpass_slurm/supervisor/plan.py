@@ -52,7 +52,7 @@ A fault during a recovery is planned on the membership of the recovery in flight
 a spare promoted live in it is on the elastic loop, but until its state has come
 it holds no replica (``Policy.receiving``).
 
-Replicas come from the job's device mesh (:class:`~torchpass_slurm.rank.layout.MeshLayout`,
+Replicas come from the job's device mesh (:class:`~torchpass_slurm.mesh.MeshLayout`,
 reported by sharded ranks; DDP is the mesh ``("replicate",)`` of the world). A planned or
 pre-emptive move stays live on every mesh: the leaving rank is alive and sends its own shards.
 """
@@ -72,7 +72,7 @@ from torchpass_slurm.faults import (
     Recovery,
     RecoveryPolicy,
 )
-from torchpass_slurm.rank.layout import MeshLayout
+from torchpass_slurm.mesh import MeshLayout
 from torchpass_slurm.strenum import StrEnum
 from torchpass_slurm.supervisor.membership import Membership
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torchpass_slurm.faults import Fault, Resolution
-from torchpass_slurm.rank.layout import MeshLayout
+from torchpass_slurm.mesh import MeshLayout
 from torchpass_slurm.strenum import StrEnum
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.progress import Progress

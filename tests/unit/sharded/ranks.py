@@ -56,7 +56,7 @@ def train_step(step: int, model: nn.Module) -> torch.Tensor:
 
 
 def layout_of(mesh: str) -> Any:
-    from torchpass_slurm.rank.layout import MeshLayout
+    from torchpass_slurm.mesh import MeshLayout
 
     r, s = (int(x) for x in mesh.split("x"))
     if r == 1:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from torchpass_slurm.errors import NoReplicaError, TransferError
-from torchpass_slurm.rank.layout import MeshLayout
+from torchpass_slurm.mesh import MeshLayout
 from torchpass_slurm.rank.shard_handover import Agreement, judge_shard_manifest, plan_shard_donors, shard_meta
 from torchpass_slurm.rank.shard_state import local_state
 from torchpass_slurm.transfer import SocketTransport, recv_state, send_state

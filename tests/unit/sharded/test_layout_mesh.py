@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchpass_slurm.rank.layout import MeshLayout, assign_donors
+from torchpass_slurm.mesh import MeshLayout, assign_donors
 
 HSDP = MeshLayout(("replicate", "shard"), (2, 2))
 FSDP = MeshLayout(("shard",), (4,), replicate=None)

@@ -1,6 +1,6 @@
 """The job's device mesh decides whether an unplanned loss can be live: a lost rank needs a surviving replica.
 
-Sharded ranks report their :class:`~torchpass_slurm.rank.layout.MeshLayout` in ``live_ready``
+Sharded ranks report their :class:`~torchpass_slurm.mesh.MeshLayout` in ``live_ready``
 (:class:`~.fakes.ElasticRanks` ``mesh``); a job that reports none is DDP. Four nodes of one
 rank each, and one spare::
 
@@ -20,7 +20,7 @@ import pytest
 from torchpass_slurm import events as ev
 from torchpass_slurm.analysis.report import analyse
 from torchpass_slurm.control import messages as msg
-from torchpass_slurm.rank.layout import MeshLayout
+from torchpass_slurm.mesh import MeshLayout
 from torchpass_slurm.supervisor.loop import RunState
 from torchpass_slurm.supervisor.plan import NO_REPLICA
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from torchpass_slurm.faults import Detector, Evidence, Fault, RecoveryPolicy
-from torchpass_slurm.rank.layout import MeshLayout
+from torchpass_slurm.mesh import MeshLayout
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.plan import Action, Policy, WorkerFacts, plan_recovery
 
