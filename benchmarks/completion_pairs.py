@@ -31,7 +31,7 @@ from typing import Any
 
 from benchmarks import jobs
 from benchmarks.runs import Sizing
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 
 
 def recoveries(job: jobs.Job) -> list[float]:

@@ -28,7 +28,7 @@ from typing import Any
 
 from benchmarks import jobs
 from benchmarks.runs import Sizing
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 
 #: The supervisor's settings before issue 12 (the baseline of this benchmark).
 #: It had no hang detector: its floor is set out of reach.

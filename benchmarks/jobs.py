@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.devcluster import Cluster, ClusterError
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 
 CLUSTER = Cluster()
 TP_SCRIPT = "/src/sbatch-examples/tiny_gpt_tp.sbatch"

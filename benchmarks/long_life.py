@@ -41,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import campaign, jobs
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 
 CLASSES = ("node power-off", "rank SIGKILL", "rank hang", "network partition")
 #: Seconds from a power cut to the node powered on again (its move is done by then).

@@ -27,7 +27,7 @@ from typing import Any
 
 from benchmarks import jobs
 from scripts.devcluster import COMPUTE
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.analysis.report_totals import job_json
 from torchpass_slurm.cli.report import load_report
 

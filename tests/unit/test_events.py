@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.errors import EventLogError
-from torchpass_slurm.events import Event, EventLog, read_events
+from torchpass_slurm.rundir.events import Event, EventLog, read_events
 
 
 def clock() -> float:

@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from torchpass_slurm.events import Event
+from torchpass_slurm.rundir.events import Event
 
 __all__ = ["PHASES", "Phases", "last_heartbeat", "round_ms", "split_phases"]
 

@@ -1,6 +1,6 @@
 """Faults and recoveries, read back from a job's event log (``tp report``).
 
-Pure: :func:`analyse` turns a list of :class:`~torchpass_slurm.events.Event`
+Pure: :func:`analyse` turns a list of :class:`~torchpass_slurm.rundir.events.Event`
 into a :class:`JobReport`: its faults, each with its class, its recovery's
 resolution and steps, and the recovery-time split (:class:`Phases`). The
 totals over jobs, the summary line and the JSON documents are in
@@ -81,11 +81,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchpass_slurm import events as ev
 from torchpass_slurm.analysis.phases import PHASES, Phases, last_heartbeat, round_ms, split_phases
 from torchpass_slurm.config import NodeRole
-from torchpass_slurm.events import Event
 from torchpass_slurm.faults import FaultClass, Resolution
+from torchpass_slurm.rundir import events as ev
+from torchpass_slurm.rundir.events import Event
 
 __all__ = [
     "CLASSES",

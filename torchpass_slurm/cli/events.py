@@ -15,10 +15,10 @@ from typing import Any
 
 import click
 
-from torchpass_slurm.analysis.rundir import find_run_dir
 from torchpass_slurm.cli.app import App, pass_app
 from torchpass_slurm.cli.poll import poll_until
-from torchpass_slurm.events import EVENTS_FILE, FAILED, FINISHED, Event, read_events
+from torchpass_slurm.rundir.events import EVENTS_FILE, FAILED, FINISHED, Event, read_events
+from torchpass_slurm.rundir.locate import find_run_dir
 
 logger = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ from torchpass_slurm.analysis.report_totals import (
     summarise,
     summary_line,
 )
-from torchpass_slurm.analysis.rundir import find_run_dir, is_run_dir, run_dirs_in
 from torchpass_slurm.cli.app import App, pass_app
 from torchpass_slurm.errors import EventLogError, RunDirError
-from torchpass_slurm.events import EVENTS_FILE, read_events
+from torchpass_slurm.rundir.events import EVENTS_FILE, read_events
+from torchpass_slurm.rundir.locate import find_run_dir, is_run_dir, run_dirs_in
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -161,7 +161,7 @@ def render_job(report: JobReport) -> RenderableType:
 
 def supervisor_lost_line(run_dir: Path) -> str | None:
     """Why the job ended when its supervisor died with its node (``rank/orphan.py``'s record)."""
-    from torchpass_slurm.rank.orphan import read_record
+    from torchpass_slurm.rundir.supervisor_lost import read_record
 
     record = read_record(run_dir)
     if record is None:
@@ -174,7 +174,7 @@ def supervisor_lost_line(run_dir: Path) -> str | None:
 
 def with_supervisor_records(doc: dict[str, Any], reports: Sequence[JobReport]) -> dict[str, Any]:
     """The JSON report with each job's supervisor-lost record (``supervisor_lost``, or null)."""
-    from torchpass_slurm.rank.orphan import read_record
+    from torchpass_slurm.rundir.supervisor_lost import read_record
 
     jobs: list[dict[str, Any]] = doc.get("jobs", [doc] if "faults" in doc else [])
     for job_doc, report in zip(jobs, reports, strict=False):

@@ -16,7 +16,7 @@ from torchpass_slurm.cli.store_host import StoreHost
 from torchpass_slurm.control.secret import create_secret, load_secret
 from torchpass_slurm.control.server import ControlServer, job_address
 from torchpass_slurm.errors import ConfigError
-from torchpass_slurm.events import EVENTS_FILE, EventLog
+from torchpass_slurm.rundir.events import EVENTS_FILE, EventLog
 from torchpass_slurm.slurm import select_backend
 from torchpass_slurm.supervisor.loop import Supervisor
 from torchpass_slurm.supervisor.membership import Membership

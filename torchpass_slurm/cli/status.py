@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import click
 
-from torchpass_slurm.analysis.rundir import find_run_dir
 from torchpass_slurm.cli.app import App, pass_app
 from torchpass_slurm.cli.poll import poll_until
 from torchpass_slurm.config import NodeRole, SupervisorConfig
-from torchpass_slurm.supervisor.status import STATUS_FILE, JobStatus, NodeStatus, read_status
+from torchpass_slurm.rundir.locate import find_run_dir
+from torchpass_slurm.rundir.status import STATUS_FILE, JobStatus, NodeStatus, read_status
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -223,7 +223,7 @@ def status(app: App, job_or_run_dir: str, as_json: bool, watching: bool, interva
         watch(app, run_dir, interval)
         return
     current = read_status(run_dir)
-    from torchpass_slurm.rank.orphan import read_record
+    from torchpass_slurm.rundir.supervisor_lost import read_record
 
     lost = read_record(run_dir)
     if as_json:

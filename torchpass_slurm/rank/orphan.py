@@ -26,41 +26,26 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from torchpass_slurm import config
+from torchpass_slurm.rundir.status import STATUS_FILE
+from torchpass_slurm.rundir.supervisor_lost import claim_record
 
-__all__ = ["EXIT_CUT_OFF", "EXIT_SUPERVISOR_LOST", "LEASE", "RECORD", "Orphan", "read_record"]
+__all__ = ["EXIT_CUT_OFF", "EXIT_SUPERVISOR_LOST", "LEASE", "Orphan"]
 
 #: The exit status of a rank that left because its supervisor was gone.
 EXIT_SUPERVISOR_LOST = 75
 #: The exit status of a rank that left because it was cut off from a supervisor that lives.
 EXIT_CUT_OFF = 76
-#: The supervisor's lease in the run folder (``supervisor/status.py`` writes it every second).
-LEASE = Path("status.json")
-#: The record of the loss, in the run folder.
-RECORD = Path(".torchpass") / "supervisor-lost.json"
+#: The supervisor's lease in the run folder (``rundir/status.py``; the supervisor writes it every second).
+LEASE = Path(STATUS_FILE)
 #: How long ``scancel`` may take.
 SCANCEL_TIMEOUT_S = 20.0
 
 logger = logging.getLogger(__name__)
-
-
-def read_record(run_dir: Path) -> dict[str, Any] | None:
-    """The run folder's supervisor-lost record, or None (none, or unreadable: said in a warning)."""
-    path = run_dir / RECORD
-    try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        logger.warning("cannot read %s: %s", path, exc)
-        return None
-    return value if isinstance(value, dict) else None
 
 
 class Orphan:
@@ -135,7 +120,6 @@ class Orphan:
         """Write the record unless another rank did (exclusive create); True when this rank did."""
         if not self.run_dir:
             return True
-        path = Path(self.run_dir) / RECORD
         record = {
             "kind": "supervisor_lost",
             "ts": time.time(),
@@ -146,28 +130,16 @@ class Orphan:
             "detail": f"the control connection to the supervisor was down for {silent:.1f} s; "
             f"{self.sender} on {self.node} cancelled the job",
         }
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        except OSError as exc:
-            self.log.warning("cannot write %s: %s", path, exc)
-            return True
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        return True
+        return claim_record(Path(self.run_dir), record)
 
     def _cancel(self) -> None:
-        argv = ["scancel", str(self.job_id)]
+        """``scancel`` the whole job through the Slurm layer: the one Slurm command a rank runs,
+        imported only here (a training process meets Slurm only when its supervisor is gone)."""
+        from torchpass_slurm.errors import SlurmError
+        from torchpass_slurm.slurm.cli_backend import CliSlurm
+        from torchpass_slurm.slurm.runner import SubprocessRunner
+
         try:
-            proc = subprocess.run(
-                argv, capture_output=True, text=True, timeout=SCANCEL_TIMEOUT_S, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            self.log.error("%s failed: %s", " ".join(argv), exc)
-            return
-        if proc.returncode != 0:
-            self.log.error("%s failed (%d): %s", " ".join(argv), proc.returncode, proc.stderr.strip()[:300])
+            CliSlurm(SubprocessRunner(timeout=SCANCEL_TIMEOUT_S)).cancel(str(self.job_id))
+        except SlurmError as exc:
+            self.log.error("cancelling job %s failed: %s", self.job_id, exc)

@@ -332,7 +332,7 @@ class CliSlurm:
                 return value.strip()
         return None
 
-    def cancel(self, job_id: int, *, signal: str | None = None) -> None:
+    def cancel(self, job_id: int | str, *, signal: str | None = None) -> None:
         """``scancel`` the job, or send it ``signal`` (e.g. ``"USR1"``) instead."""
         argv = ["scancel"]
         if signal is not None:

@@ -26,6 +26,7 @@ from torchpass_slurm.config import (
     ENV_SPARES,
     ENV_TRAINING_HET_GROUP,
 )
+from torchpass_slurm.rundir.locate import RUN_DIR_COMMENT_PREFIX
 from torchpass_slurm.submit.options import SBATCH_OPTIONS, parse_options
 from torchpass_slurm.submit.spec import JobSpec
 
@@ -38,10 +39,6 @@ __all__ = [
     "sbatch_arguments",
     "sbatch_command_line",
 ]
-
-#: The job comment tp-submit sets (unless the user gives ``--comment``), so that
-#: ``tp status JOBID`` can find the run dir from Slurm alone.
-RUN_DIR_COMMENT_PREFIX = "torchpass:run_dir="
 
 
 def plural(n: int, word: str) -> str:

@@ -28,8 +28,8 @@ import queue
 import threading
 from typing import Any
 
-from torchpass_slurm import events as ev
 from torchpass_slurm.errors import SlurmError
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.supervisor.state import JobState
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from torchpass_slurm import events as ev
 from torchpass_slurm.faults import Resolution
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.supervisor.state import Clock, JobState, RunState
 
 __all__ = ["Completion"]

@@ -43,10 +43,10 @@ import logging
 import re
 from dataclasses import dataclass
 
-from torchpass_slurm import events as ev
 from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.errors import SlurmError
 from torchpass_slurm.faults import Detector, Evidence, Fault, Resolution
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.slurm.models import Node
 from torchpass_slurm.supervisor import hang

@@ -21,12 +21,12 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from torchpass_slurm import events as ev
 from torchpass_slurm.config import NodeRole, SupervisorConfig
 from torchpass_slurm.control.bodies import PromoteMode
 from torchpass_slurm.control.server import ControlServer
 from torchpass_slurm.errors import SlurmError
 from torchpass_slurm.faults import Detector, Fault, Resolution
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.supervisor import hold
 from torchpass_slurm.supervisor.allocation import Allocation

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import logging
 
-from torchpass_slurm import events as ev
 from torchpass_slurm.faults import Fault
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.supervisor.state import Clock, Holding, JobState, RunState
 
 __all__ = ["begin", "due", "held_faults"]

@@ -27,13 +27,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from torchpass_slurm import events as ev
 from torchpass_slurm.config import NodeRole, SupervisorConfig
 from torchpass_slurm.control.bodies import Report, Stop
 from torchpass_slurm.control.messages import Kind, Message, ReportKind
 from torchpass_slurm.control.server import ControlServer
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.faults import Detector, Fault, RecoveryPolicy
+from torchpass_slurm.rundir import events as ev
+from torchpass_slurm.rundir.status import write_status
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.supervisor import hold
 from torchpass_slurm.supervisor.completion import Completion
@@ -45,7 +46,7 @@ from torchpass_slurm.supervisor.plan import Policy, WorkerFacts, plan_recovery
 from torchpass_slurm.supervisor.probe import Probe
 from torchpass_slurm.supervisor.refill import SparePool, waited_s
 from torchpass_slurm.supervisor.state import Clock, JobState, RunResult, RunState
-from torchpass_slurm.supervisor.status import job_status, write_status
+from torchpass_slurm.supervisor.status import job_status
 from torchpass_slurm.supervisor.workers import StepLauncher, WorkerState, WorkerStep
 
 __all__ = ["Supervisor", "RunState", "RunResult", "POLL_SLICE"]

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import logging
 
-from torchpass_slurm import events as ev
 from torchpass_slurm.control.bodies import Report
 from torchpass_slurm.mesh import MeshLayout
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.supervisor.state import JobState
 
 __all__ = ["accept_mesh", "mesh_refusal"]

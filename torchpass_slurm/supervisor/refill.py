@@ -68,9 +68,9 @@ import queue
 import threading
 from dataclasses import dataclass
 
-from torchpass_slurm import events as ev
 from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.errors import SlurmError
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.slurm.cli_backend import EXPANSION_BLOCKER
 from torchpass_slurm.supervisor.probe import Probe

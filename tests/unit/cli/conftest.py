@@ -13,9 +13,9 @@ from tests.unit.slurm.conftest import FakeRunner, fixture_text
 from torchpass_slurm.cli import status as status_cli
 from torchpass_slurm.cli.app import run_cli
 from torchpass_slurm.cli.main import cli
-from torchpass_slurm.events import EventLog
+from torchpass_slurm.rundir.events import EventLog
 from torchpass_slurm.slurm.cli_backend import CliSlurm
-from torchpass_slurm.supervisor.status import JobStatus, NodeStatus, write_status
+from torchpass_slurm.rundir.status import JobStatus, NodeStatus, write_status
 
 #: The fixed "now" of every test: 2025-03-04 05:06:07 UTC.
 NOW = 1741064767.0

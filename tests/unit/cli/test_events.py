@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from torchpass_slurm.cli.events import format_value, parse_kinds
-from torchpass_slurm.events import EventLog
+from torchpass_slurm.rundir.events import EventLog
 
 from .conftest import NOW, scontrol_job, tp
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from torchpass_slurm.analysis.rundir import find_run_dir, run_dir_from_comment, run_dir_of_job
+from torchpass_slurm.rundir.locate import find_run_dir, run_dir_from_comment, run_dir_of_job
 from torchpass_slurm.errors import RunDirError
 from torchpass_slurm.slurm import Job
 

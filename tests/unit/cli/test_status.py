@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from torchpass_slurm.cli.status import compact_ranks, format_age, heartbeat_style, is_stale
-from torchpass_slurm.supervisor.status import JobStatus, NodeStatus, read_status, write_status
+from torchpass_slurm.rundir.status import JobStatus, NodeStatus, read_status, write_status
 
 from .conftest import NOW, job_status, scontrol_job, tp
 
@@ -130,7 +130,7 @@ def test_the_status_file_is_synced_before_it_replaces_the_old_one(
     """A crash between the rename and the write-back must not leave an empty status.json."""
     import os
 
-    from torchpass_slurm.supervisor import status as status_mod
+    from torchpass_slurm.rundir import status as status_mod
 
     calls: list[str] = []
     real_fsync, real_replace = os.fsync, os.replace

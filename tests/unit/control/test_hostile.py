@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import zmq
 
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.control import messages as m
 from torchpass_slurm.control.bodies import Report
 from torchpass_slurm.control.client import ControlClient

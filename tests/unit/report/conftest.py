@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from torchpass_slurm.events import EventLog
+from torchpass_slurm.rundir.events import EventLog
 
 #: The fake clock's zero: 2025-03-04 05:06:07 UTC (as in the CLI tests).
 T0 = 1741064767.0

@@ -9,7 +9,7 @@ import pytest
 from torchpass_slurm.analysis.report import JobReport, Phases, analyse
 from torchpass_slurm.analysis.report_totals import summarise, summary_line
 from torchpass_slurm.cli.report import format_seconds, format_steps, format_time
-from torchpass_slurm.events import read_events
+from torchpass_slurm.rundir.events import read_events
 
 from .conftest import T0, JobLog, checkpoint_restart, fatal, two_live_migrations
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,10 @@ from torchpass_slurm.rank.orphan import (  # noqa: E402
     EXIT_CUT_OFF,
     EXIT_SUPERVISOR_LOST,
     LEASE,
-    RECORD,
     Orphan,
-    read_record,
 )
+from torchpass_slurm.rundir.supervisor_lost import RECORD, read_record  # noqa: E402
+from torchpass_slurm.slurm.runner import CommandResult, SubprocessRunner  # noqa: E402
 
 LOG = logging.LoggerAdapter(logging.getLogger("test"), {})
 
@@ -47,14 +46,14 @@ class Exited(Exception):
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     ran: list[list[str]] = []
 
-    def run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        ran.append(argv)
-        return subprocess.CompletedProcess(argv, 0, "", "")
+    def run(self: SubprocessRunner, argv: list[str], **kwargs: Any) -> CommandResult:
+        ran.append(list(argv))  # the command the Slurm layer runs for the rank
+        return CommandResult(tuple(argv), "")
 
     def exit_(code: int) -> None:
         raise Exited(code)
 
-    monkeypatch.setattr(orphan_mod.subprocess, "run", run)
+    monkeypatch.setattr(SubprocessRunner, "run", run)
     monkeypatch.setattr(orphan_mod.os, "_exit", exit_)
     return ran
 

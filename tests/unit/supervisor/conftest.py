@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.supervisor.membership import Membership
-from torchpass_slurm.supervisor.status import JobStatus, read_status
+from torchpass_slurm.rundir.status import JobStatus, read_status
 from torchpass_slurm.supervisor.loop import RunResult, Supervisor
 
 from .fakes import ElasticRanks, FakeLauncher, FakeProbe, FakeServer, FakeSlurm, VirtualClock, World

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.errors import SlurmError
 from torchpass_slurm.supervisor import allocation as allocation_module
 from torchpass_slurm.supervisor.allocation import Allocation

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.faults import Resolution
 from torchpass_slurm.supervisor.completion import Completion
 from torchpass_slurm.supervisor.membership import Membership

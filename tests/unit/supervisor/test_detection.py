@@ -13,7 +13,7 @@ import dataclasses
 import signal
 from collections.abc import Callable
 
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.analysis.report import analyse
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.control.bodies import Report

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.faults import Detector
 from torchpass_slurm.phase import Phase

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.errors import ConfigError
 from torchpass_slurm.supervisor.loop import RunState

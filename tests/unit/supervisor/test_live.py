@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.supervisor.loop import RunState
 from torchpass_slurm.supervisor.workers import master_port

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.analysis.report import analyse
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.mesh import MeshLayout

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 
 from torchpass_slurm import config as cfg
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.supervisor.loop import RunState
 from torchpass_slurm.supervisor.membership import Membership

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.control.bodies import Promote
 from torchpass_slurm.supervisor.loop import RunState

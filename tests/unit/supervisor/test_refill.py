@@ -11,7 +11,7 @@ import dataclasses
 import threading
 import time
 
-from torchpass_slurm import events as ev
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.errors import SlurmError
 from torchpass_slurm.slurm.steps import EXPANDED_NODE_UNSET
 from torchpass_slurm.supervisor.loop import RunState

@@ -21,16 +21,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torchpass_slurm.errors import RunDirError
-from torchpass_slurm.events import EVENTS_FILE
-from torchpass_slurm.submit.render import RUN_DIR_COMMENT_PREFIX
-from torchpass_slurm.supervisor.status import STATUS_FILE
+from torchpass_slurm.rundir.events import EVENTS_FILE
+from torchpass_slurm.rundir.status import STATUS_FILE
 
 if TYPE_CHECKING:
     from torchpass_slurm.slurm import Job, SlurmBackend
 
-__all__ = ["find_run_dir", "is_run_dir", "run_dir_from_comment", "run_dir_of_job", "run_dirs_in"]
+__all__ = [
+    "RUN_DIR_COMMENT_PREFIX",
+    "find_run_dir",
+    "is_run_dir",
+    "run_dir_from_comment",
+    "run_dir_of_job",
+    "run_dirs_in",
+]
 
 logger = logging.getLogger(__name__)
+
+#: The job comment tp-submit sets (unless the user gives ``--comment``), so that
+#: ``tp status JOBID`` can find the run dir from Slurm alone.
+RUN_DIR_COMMENT_PREFIX = "torchpass:run_dir="
 
 #: Files whose presence makes a folder a run folder.
 RUN_DIR_MARKERS = (STATUS_FILE, EVENTS_FILE)
