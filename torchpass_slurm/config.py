@@ -71,7 +71,7 @@ RECOVERY_MODES = ("live", "restart")
 #: blocks its peers this long, so it bounds detection by the ranks themselves.
 ENV_COLLECTIVE_TIMEOUT = "TORCHPASS_COLLECTIVE_TIMEOUT"
 #: Seconds between two health checks of the in-job agent (0: no agent); see
-#: torchpass_slurm/health/agent.py.
+#: torchpass_slurm/rank/health_agent.py.
 ENV_HEALTH_INTERVAL = "TORCHPASS_HEALTH_INTERVAL"
 DEFAULT_HEALTH_INTERVAL_S = 60.0
 DEFAULT_SUPERVISOR_GRACE_S = 15.0

@@ -301,6 +301,108 @@ def test_the_rank_side_never_imports_the_slurm_layer(package: dict[str, Module])
     assert not found, "training processes never talk to Slurm, but:\n" + "\n".join(found)
 
 
+#: The ground floor: the vocabulary every process shares. A vocabulary module imports only
+#: other vocabulary modules.
+VOCABULARY = frozenset({
+    "config", "errors", "faults", "jsonsafe", "mesh", "ownership", "phase", "strenum",
+})
+
+#: Which rooms each room may import (module-level imports, TYPE_CHECKING ones included), the
+#: vocabulary aside. A folder's room is its name, a root module's is its name too. The
+#: process folders stand side by side over the shared rooms (docs/structure.md, "Layers"):
+#: ``rank/`` (inside the training) and ``supervisor/`` (the batch host) never meet; only the
+#: CLI assembles, and only the public API ``train.py`` stands over ``rank/``.
+ALLOWED_ROOMS: dict[str, frozenset[str]] = {
+    "slurm": frozenset(),  # the one layer that runs Slurm commands
+    "transfer": frozenset(),  # moving a state: manifest, chunks, transports
+    "control": frozenset(),  # the wire: messages, bodies, the server and the client
+    "rundir": frozenset({"slurm"}),  # the run folder's files (locate: a job id, via a backend)
+    "health": frozenset({"slurm"}),  # node facts and checks, the prolog, the drains
+    "submit": frozenset({"rundir"}),  # tp-submit's pure core: spec, options, the script
+    "analysis": frozenset({"rundir"}),  # reports and goodput, read from run folders
+    "rank": frozenset({"control", "transfer", "rundir", "health"}),  # health: its checks, run
+    # by the node's agent thread in local rank 0
+    "supervisor": frozenset({"control", "slurm", "rundir"}),
+    "cli": frozenset({"slurm", "control", "rundir", "health", "submit", "analysis", "supervisor"}),
+    "train": frozenset({"rank"}),  # the public API: a facade over the rank side
+}
+
+
+def room_of(name: str) -> str:
+    """``torchpass_slurm.rank.elastic`` -> ``rank``; ``torchpass_slurm.mesh`` -> ``mesh``."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def room_violations(modules: dict[str, Module]) -> list[str]:
+    """Every module-level import from one room into another that the tables do not allow."""
+    found = []
+    for name, module in sorted(modules.items()):
+        room = room_of(name)
+        if not room:
+            continue
+        allowed = VOCABULARY if room in VOCABULARY else ALLOWED_ROOMS[room] | VOCABULARY
+        for edge in edges_of(module, modules, with_parents=False):
+            target = room_of(edge.target)
+            if target and target != room and target not in allowed:
+                found.append(f"{room} -> {target}: {edge}")
+    return found
+
+
+#: The Slurm client commands: only ``slurm/`` runs them (STYLE, habit 2).
+SLURM_COMMANDS = frozenset({
+    "sacct", "sacctmgr", "salloc", "sattach", "sbatch", "sbcast", "scancel", "scontrol",
+    "sinfo", "squeue", "srun", "sstat", "strigger",
+})
+#: The modules outside ``slurm/`` that start a process, and why.
+PROCESS_STARTERS = {
+    f"{PACKAGE}.cli.store_host": "the job's rendezvous store, a Python child of tp run",
+}
+_STARTS_A_PROCESS = {
+    "subprocess": {"run", "Popen", "call", "check_call", "check_output"},
+    "os": {"system", "popen", "execv", "execvp", "execvpe", "execl", "execlp", "spawnv", "spawnvp",
+           "posix_spawn", "posix_spawnp"},
+}
+
+
+def process_starts(module: Module) -> list[int]:
+    """The lines where ``module`` starts a process (``subprocess.run(...)``, ``os.execvp(...)``)."""
+    return sorted(
+        node.lineno for node in ast.walk(module.tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.attr in _STARTS_A_PROCESS.get(node.func.value.id, ()))
+
+
+def slurm_command_names(module: Module) -> list[int]:
+    """The lines where ``module`` spells a Slurm command as a string of its own (``"scancel"``)."""
+    return sorted(node.lineno for node in ast.walk(module.tree)
+                  if isinstance(node, ast.Constant) and node.value in SLURM_COMMANDS)
+
+
+def test_every_room_imports_only_the_rooms_below_it(package: dict[str, Module]) -> None:
+    rooms = {room_of(name) for name in package} - {""}
+    assert rooms <= set(ALLOWED_ROOMS) | VOCABULARY, (
+        f"rooms missing from ALLOWED_ROOMS or VOCABULARY: {sorted(rooms - set(ALLOWED_ROOMS) - VOCABULARY)}")
+    found = room_violations(package)
+    assert not found, "imports the layer tables do not allow:\n  " + "\n  ".join(found)
+
+
+def test_only_the_slurm_layer_runs_slurm_commands(package: dict[str, Module]) -> None:
+    found = []
+    for name, module in sorted(package.items()):
+        if room_of(name) == "slurm":
+            continue
+        starts = process_starts(module)
+        if starts and name not in PROCESS_STARTERS:
+            found.append(f"{module.relative} starts a process (lines {starts}); only slurm/ should")
+        if starts and slurm_command_names(module):
+            found.append(f"{module.relative} starts a process and names a Slurm command "
+                         f"(lines {slurm_command_names(module)}): run it through slurm/")
+    assert not found, "\n".join(found)
+    assert set(PROCESS_STARTERS) <= set(package), "PROCESS_STARTERS names a module that is gone"
+
+
 @pytest.mark.parametrize("entry_point", [f"{PACKAGE}.supervisor.loop", f"{PACKAGE}.cli.run"])
 def test_the_batch_host_entry_points_leave_torch_unloaded(entry_point: str) -> None:
     code = textwrap.dedent(f"""
@@ -385,3 +487,29 @@ def test_long_modules_and_classes_are_found(tmp_path: Path) -> None:
     assert long_modules(modules, 5) == ["pkg/big.py: 6 lines"]
     assert long_classes(modules, 5) == ["pkg.big.Big (line 1): 6 lines"]
     assert long_modules(modules, 6) == [] and long_classes(modules, 6) == []
+
+
+def test_an_import_between_rooms_side_by_side_is_found_and_a_lazy_one_is_not(tmp_path: Path) -> None:
+    modules = make_package(tmp_path, {
+        "__init__.py": "",
+        "mesh.py": "",
+        "rank/__init__.py": "",
+        "rank/trainer.py": "from pkg import mesh\n",
+        "supervisor/__init__.py": "",
+        "supervisor/plan.py": "from pkg.rank.trainer import x\nfrom pkg import mesh\n",
+        "supervisor/lazy.py": "def f():\n    from pkg.rank import trainer\n",
+    })
+    assert room_violations(modules) == [
+        "supervisor -> rank: pkg.supervisor.plan -> pkg.rank.trainer (line 1)"]
+
+
+def test_a_slurm_command_started_outside_the_slurm_layer_is_found(tmp_path: Path) -> None:
+    modules = make_package(tmp_path, {
+        "__init__.py": "",
+        "cancel.py": "import subprocess\n\ndef cancel(job):\n    argv = ['scancel', job]\n"
+                     "    subprocess.run(argv, check=True)\n",
+        "render.py": "import shlex\n\ndef line():\n    return shlex.join(['sbatch', 'x'])\n",
+    })
+    assert process_starts(modules["pkg.cancel"]) == [5]
+    assert slurm_command_names(modules["pkg.cancel"]) == [4]
+    assert process_starts(modules["pkg.render"]) == []  # a rendered command is not a started one

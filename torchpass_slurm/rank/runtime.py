@@ -56,7 +56,7 @@ from torchpass_slurm.config import (
 from torchpass_slurm.control.bodies import Promote, Reconfigure
 from torchpass_slurm.control.messages import Kind, ReportKind
 from torchpass_slurm.errors import ControlPlaneError
-from torchpass_slurm.health.agent import HealthAgent
+from torchpass_slurm.rank.health_agent import HealthAgent
 from torchpass_slurm.phase import Phase
 from torchpass_slurm.rank.group import destroy_group, superseding
 from torchpass_slurm.rank.link import (

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from torchpass_slurm.health.agent import CLOSE_TIMEOUT_S, HealthAgent
+from torchpass_slurm.rank.health_agent import CLOSE_TIMEOUT_S, HealthAgent
 from torchpass_slurm.health.run import HealthReport
 
 
 class Recorder:
-    """A :class:`~torchpass_slurm.health.agent.Report`: keeps what the agent reports."""
+    """A :class:`~torchpass_slurm.rank.health_agent.Report`: keeps what the agent reports."""
 
     def __init__(self) -> None:
         self.reports: list[tuple[str, dict[str, Any]]] = []
