@@ -71,9 +71,20 @@ class CampaignSizing:
 
     def train_args(self) -> list[str]:
         d, layers = self.model
-        return ["--d-model", str(d), "--n-layers", str(layers), "--steps", str(self.steps),
-                "--ckpt-every", str(self.ckpt_every), "--step-sleep", str(self.step_sleep),
-                "--log-every", "4"]
+        return [
+            "--d-model",
+            str(d),
+            "--n-layers",
+            str(layers),
+            "--steps",
+            str(self.steps),
+            "--ckpt-every",
+            str(self.ckpt_every),
+            "--step-sleep",
+            str(self.step_sleep),
+            "--log-every",
+            "4",
+        ]
 
 
 @dataclass(frozen=True)
@@ -93,8 +104,11 @@ def plan(faults: int, seed: int, size: CampaignSizing) -> list[list[PlannedFault
         job = []
         for slot in range(min(size.spares, faults - index)):
             low = size.first_step + slot * size.window
-            job.append(PlannedFault(index, rng.choice(CLASSES), rng.randint(low, low + size.window - 4),
-                                    rng.randrange(1000)))
+            job.append(
+                PlannedFault(
+                    index, rng.choice(CLASSES), rng.randint(low, low + size.window - 4), rng.randrange(1000)
+                )
+            )
             index += 1
         out.append(job)
     return out
@@ -117,8 +131,14 @@ class Faults:
             node = candidates[fault.node_pick % len(candidates)]
             wall = time.time()
             kind = self.act(fault.fault_class, node)
-            return {"kind": kind, "class": fault.fault_class, "node": node, "wall": wall,
-                    "index": fault.index}
+            return {
+                "kind": kind,
+                "class": fault.fault_class,
+                "node": node,
+                "wall": wall,
+                "index": fault.index,
+            }
+
         return inject
 
     def act(self, fault_class: str, node: str) -> str:
@@ -149,6 +169,7 @@ class Faults:
                 action()
             except Exception as err:  # a repair that failed here is done again between jobs
                 jobs.progress(f"  a delayed repair failed: {err}")
+
         timer = threading.Timer(seconds, run)
         timer.daemon = True
         timer.start()
@@ -177,8 +198,11 @@ def candidates_of(job: jobs.Job) -> list[str]:
     twice, 4 s apart, and the second fault was no fault), in name order."""
     batch = jobs.CLUSTER.job_field(job.job_id, "BatchHost")
     hit = {f["node"] for f in job.faults}
-    nodes = sorted(str(n["node"]) for n in jobs.CLUSTER.tp_status(job.job_id).get("nodes", [])
-                   if n.get("role") == "active" and n.get("node") != batch and n.get("node") not in hit)
+    nodes = sorted(
+        str(n["node"])
+        for n in jobs.CLUSTER.tp_status(job.job_id).get("nodes", [])
+        if n.get("role") == "active" and n.get("node") != batch and n.get("node") not in hit
+    )
     if not nodes:
         raise jobs.BenchError(f"job {job.job_id} has no active node besides its batch host {batch}")
     return nodes
@@ -187,8 +211,9 @@ def candidates_of(job: jobs.Job) -> list[str]:
 def submit(fleet: str, name: str, size: CampaignSizing, env: Mapping[str, str]) -> jobs.Job:
     folder = f"{fleet}/{name}"
     jobs.CLUSTER.host_path(folder).mkdir(parents=True, exist_ok=True)
-    job_id = jobs.CLUSTER.tp_submit(folder, "-N", "3", "--spares", str(size.spares), jobs.TP_SCRIPT,
-                                    *size.train_args(), env=env)
+    job_id = jobs.CLUSTER.tp_submit(
+        folder, "-N", "3", "--spares", str(size.spares), jobs.TP_SCRIPT, *size.train_args(), env=env
+    )
     return jobs.Job(job_id, folder, time.monotonic())
 
 
@@ -214,12 +239,25 @@ def match(injected: Sequence[dict[str, Any]], found: Sequence[dict[str, Any]]) -
 
 def never_injected(job: jobs.Job, planned: Sequence[PlannedFault]) -> list[dict[str, Any]]:
     """One record per planned fault the job never took: it ended first."""
-    return [{"index": p.index, "class": p.fault_class, "node": None, "at_step": p.step,
-             "job": job.job_id, "folder": job.folder, "job_state": job.state,
-             "resolution": None, "lost_steps": None, "live_no_lost_progress": False,
-             "no_data_loss": False, "bitwise_equal": False, "phases": None,
-             "cause": f"never injected: the job ended {job.state} before step {p.step}"}
-            for p in planned[len(job.faults):]]
+    return [
+        {
+            "index": p.index,
+            "class": p.fault_class,
+            "node": None,
+            "at_step": p.step,
+            "job": job.job_id,
+            "folder": job.folder,
+            "job_state": job.state,
+            "resolution": None,
+            "lost_steps": None,
+            "live_no_lost_progress": False,
+            "no_data_loss": False,
+            "bitwise_equal": False,
+            "phases": None,
+            "cause": f"never injected: the job ended {job.state} before step {p.step}",
+        }
+        for p in planned[len(job.faults) :]
+    ]
 
 
 def run_and_save(run: Callable[[], dict[str, Any]], path: Path) -> dict[str, Any]:
@@ -254,35 +292,57 @@ def judge(job: jobs.Job, reference: str | None, steps: int) -> list[dict[str, An
         live = resolution == "live" and lost == 0
         cause = None
         if not live:
-            cause = ("tp report found no fault on the node after the injection" if seen is None else
-                     f"resolution {resolution}, {lost} committed steps lost"
-                     + (f", fallback: {seen.get('fallback')}" if seen.get("fallback") else "")
-                     + f" (detector {seen.get('detector')}, {seen.get('detail')})")
+            cause = (
+                "tp report found no fault on the node after the injection"
+                if seen is None
+                else f"resolution {resolution}, {lost} committed steps lost"
+                + (f", fallback: {seen.get('fallback')}" if seen.get("fallback") else "")
+                + f" (detector {seen.get('detector')}, {seen.get('detail')})"
+            )
         elif not bitwise:
-            cause = ("final weights differ from the fault-free job's" if completed
-                     else f"job ended {job.state}")
-        records.append({"index": fault["index"], "class": fault["class"], "node": fault["node"],
-                        "at_step": fault["at_step"], "job": job.job_id, "folder": job.folder,
-                        "job_state": job.state, "resolution": resolution, "lost_steps": lost,
-                        "report_class": seen.get("class") if seen else None,
-                        "live_no_lost_progress": live, "no_data_loss": completed,
-                        "bitwise_equal": bitwise, "cause": cause,
-                        "phases": seen.get("phases") if seen else None})
+            cause = (
+                "final weights differ from the fault-free job's" if completed else f"job ended {job.state}"
+            )
+        records.append(
+            {
+                "index": fault["index"],
+                "class": fault["class"],
+                "node": fault["node"],
+                "at_step": fault["at_step"],
+                "job": job.job_id,
+                "folder": job.folder,
+                "job_state": job.state,
+                "resolution": resolution,
+                "lost_steps": lost,
+                "report_class": seen.get("class") if seen else None,
+                "live_no_lost_progress": live,
+                "no_data_loss": completed,
+                "bitwise_equal": bitwise,
+                "cause": cause,
+                "phases": seen.get("phases") if seen else None,
+            }
+        )
     return records
 
 
 def totals(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per class and over all: faults, and the three shares."""
+
     def one(rs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         n = len(rs)
         live = [r for r in rs if r["live_no_lost_progress"]]
-        return {"faults": n, "live_no_lost_progress": len(live),
-                "no_data_loss": sum(r["no_data_loss"] for r in rs),
-                "bitwise_equal_among_live": sum(r["bitwise_equal"] for r in live),
-                "share_live": round(len(live) / n, 4) if n else None,
-                "share_no_data_loss": round(sum(r["no_data_loss"] for r in rs) / n, 4) if n else None,
-                "share_bitwise_among_live": round(sum(r["bitwise_equal"] for r in live) / len(live), 4)
-                if live else None}
+        return {
+            "faults": n,
+            "live_no_lost_progress": len(live),
+            "no_data_loss": sum(r["no_data_loss"] for r in rs),
+            "bitwise_equal_among_live": sum(r["bitwise_equal"] for r in live),
+            "share_live": round(len(live) / n, 4) if n else None,
+            "share_no_data_loss": round(sum(r["no_data_loss"] for r in rs) / n, 4) if n else None,
+            "share_bitwise_among_live": round(sum(r["bitwise_equal"] for r in live) / len(live), 4)
+            if live
+            else None,
+        }
+
     by_class = {c: one([r for r in records if r["class"] == c]) for c in CLASSES}
     return {"by_class": {c: t for c, t in by_class.items() if t["faults"]}, "all": one(records)}
 
@@ -290,20 +350,28 @@ def totals(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def table(result: Mapping[str, Any]) -> str:
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:.0f} %"
+
     t = result["totals"]
-    lines = ["| fault class | faults | live, no lost progress (YOCO) | no data loss "
-             "| bitwise equal (of the live) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| fault class | faults | live, no lost progress (YOCO) | no data loss "
+        "| bitwise equal (of the live) |",
+        "|---|---|---|---|---|",
+    ]
     for name, c in [*t["by_class"].items(), ("**all**", t["all"])]:
-        lines.append(f"| {name} | {c['faults']} | {c['live_no_lost_progress']} ({pct(c['share_live'])}) | "
-                     f"{c['no_data_loss']} ({pct(c['share_no_data_loss'])}) | "
-                     f"{c['bitwise_equal_among_live']} ({pct(c['share_bitwise_among_live'])}) |")
+        lines.append(
+            f"| {name} | {c['faults']} | {c['live_no_lost_progress']} ({pct(c['share_live'])}) | "
+            f"{c['no_data_loss']} ({pct(c['share_no_data_loss'])}) | "
+            f"{c['bitwise_equal_among_live']} ({pct(c['share_bitwise_among_live'])}) |"
+        )
     short = [r for r in result["faults"] if r["cause"]]
     if short:
         lines += ["", "Faults that fell short:", ""]
-        lines += [f"- fault {r['index']} ({r['class']} of {r['node']} at step {r['at_step']}, "
-                  f"job {r['job']}): "
-                  f"{r['cause']}" for r in short]
+        lines += [
+            f"- fault {r['index']} ({r['class']} of {r['node']} at step {r['at_step']}, "
+            f"job {r['job']}): "
+            f"{r['cause']}"
+            for r in short
+        ]
     return "\n".join(lines)
 
 
@@ -317,24 +385,29 @@ def campaign(faults: int = 50, seed: int = 14, size: CampaignSizing | None = Non
     sim = jobs.CLUSTER.shared_host / "health" / f"campaign-{tag}"
     sim.mkdir(parents=True, exist_ok=True)
     (sim / "health.toml").write_text('disk_paths = ["/shared"]\necc_rate_min_interval_s = 1.0\n')
-    env = {"TORCHPASS_HEALTH_SIMULATE": f"/shared/health/campaign-{tag}/{{node}}.json",
-           "TORCHPASS_HEALTH_CONFIG": f"/shared/health/campaign-{tag}/health.toml",
-           "TORCHPASS_HEALTH_INTERVAL": "1"}
+    env = {
+        "TORCHPASS_HEALTH_SIMULATE": f"/shared/health/campaign-{tag}/{{node}}.json",
+        "TORCHPASS_HEALTH_CONFIG": f"/shared/health/campaign-{tag}/health.toml",
+        "TORCHPASS_HEALTH_INTERVAL": "1",
+    }
     inject = Faults(sim)
     inject.healthy_gpus()
     schedule = plan(faults, seed, size)
     began = time.monotonic()
     jobs.wait_idle()
-    jobs.progress(f"campaign: {faults} faults over {len(schedule)} jobs (seed {seed}); "
-                  "the fault-free job first")
+    jobs.progress(
+        f"campaign: {faults} faults over {len(schedule)} jobs (seed {seed}); the fault-free job first"
+    )
     ref_job = jobs.run(submit(fleet, "job-00-no-fault", size, env), jobs.tp_progress)
     ref = jobs.DONE_LINE.search(ref_job.output())
     reference = ref.group(3) if ref and ref_job.state == "COMPLETED" else None
     records: list[dict[str, Any]] = []
     job_rows: list[dict[str, Any]] = []
     for number, planned in enumerate(schedule, start=1):
-        jobs.progress(f"campaign: job {number}/{len(schedule)}: "
-                      + ", ".join(f"{p.fault_class} at step {p.step}" for p in planned))
+        jobs.progress(
+            f"campaign: job {number}/{len(schedule)}: "
+            + ", ".join(f"{p.fault_class} at step {p.step}" for p in planned)
+        )
         job = submit(fleet, f"job-{number:02d}", size, env)
         try:
             jobs.run(job, jobs.tp_progress, [(p.step, inject.injector(p)) for p in planned])
@@ -343,19 +416,40 @@ def campaign(faults: int = 50, seed: int = 14, size: CampaignSizing | None = Non
             job.ended = job.ended or time.monotonic()
         records.extend(never_injected(job, planned))
         records.extend(judge(job, reference, size.steps))
-        job_rows.append({"job": job.job_id, "folder": job.folder, "state": job.state,
-                         "seconds": round(job.seconds, 2), "faults": job.faults})
-        shown = records[-len(planned):]
-        jobs.progress("  " + "; ".join(f"{r['class']}: {r['resolution']}, lost {r['lost_steps']}, "
-                                       f"bitwise {r['bitwise_equal']}" for r in shown))
+        job_rows.append(
+            {
+                "job": job.job_id,
+                "folder": job.folder,
+                "state": job.state,
+                "seconds": round(job.seconds, 2),
+                "faults": job.faults,
+            }
+        )
+        shown = records[-len(planned) :]
+        jobs.progress(
+            "  "
+            + "; ".join(
+                f"{r['class']}: {r['resolution']}, lost {r['lost_steps']}, bitwise {r['bitwise_equal']}"
+                for r in shown
+            )
+        )
         inject.repair(job)
     records.sort(key=lambda r: r["index"])
     totals_out = jobs.on("ctl", "tp", "report", "--totals-only", fleet, check=False)
-    return {"faults_asked": faults, "seed": seed, "sizing": {**size.__dict__, "model": list(size.model)},
-            "train_args": size.train_args(), "fleet": fleet, "reference_job": ref_job.job_id,
-            "reference_params_sha256": reference, "seconds": round(time.monotonic() - began, 1),
-            "jobs": job_rows, "faults": records, "totals": totals(records),
-            "tp_report_totals_only": totals_out}
+    return {
+        "faults_asked": faults,
+        "seed": seed,
+        "sizing": {**size.__dict__, "model": list(size.model)},
+        "train_args": size.train_args(),
+        "fleet": fleet,
+        "reference_job": ref_job.job_id,
+        "reference_params_sha256": reference,
+        "seconds": round(time.monotonic() - began, 1),
+        "jobs": job_rows,
+        "faults": records,
+        "totals": totals(records),
+        "tp_report_totals_only": totals_out,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,8 +63,9 @@ class Left:
     error: str
 
 
-def _worker(rank: int, port: int, timeout_s: float, mode: str, looping: Any, signalled: Any,
-            done: Any, results: Any) -> None:
+def _worker(
+    rank: int, port: int, timeout_s: float, mode: str, looping: Any, signalled: Any, done: Any, results: Any
+) -> None:
     """One rank: join, all-reduce until a collective fails, then act as ``mode`` says."""
     import torch
     import torch.distributed as dist
@@ -83,8 +84,9 @@ def _worker(rank: int, port: int, timeout_s: float, mode: str, looping: Any, sig
     timeout = datetime.timedelta(seconds=timeout_s)
     store = make_tcp_store("127.0.0.1", port, is_master=False, timeout=timeout)
     before = socket_inodes()
-    dist.init_process_group("gloo", store=dist.PrefixStore("epoch0", store), rank=rank,
-                            world_size=WORLD, timeout=timeout)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("epoch0", store), rank=rank, world_size=WORLD, timeout=timeout
+    )
     sockets = group_sockets(before, exclude_ports={port}) if mode == "sockets" else ()
     ddp: Any = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
     adopt_group(0, sockets)
@@ -140,12 +142,17 @@ def run_once(mode: str, how: str, timeout_s: float) -> dict[int, Left | None]:
 
     ctx = multiprocessing.get_context("spawn")
     port = _free_port()
-    store = make_tcp_store("127.0.0.1", port, is_master=True,
-                           timeout=datetime.timedelta(seconds=timeout_s + 60))
+    store = make_tcp_store(
+        "127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=timeout_s + 60)
+    )
     looping, results = ctx.Queue(), ctx.Queue()
     signalled, done = ctx.Value("d", 0.0, lock=False), ctx.Value("b", 0, lock=False)
-    procs = [ctx.Process(target=_worker, args=(r, port, timeout_s, mode, looping, signalled, done,
-                                               results), daemon=True) for r in range(WORLD)]
+    procs = [
+        ctx.Process(
+            target=_worker, args=(r, port, timeout_s, mode, looping, signalled, done, results), daemon=True
+        )
+        for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     try:
@@ -175,8 +182,12 @@ def run_once(mode: str, how: str, timeout_s: float) -> dict[int, Left | None]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timeout", type=float, default=15.0,
-                        help="the group's collective timeout, seconds (TORCHPASS_COLLECTIVE_TIMEOUT: 15)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=15.0,
+        help="the group's collective timeout, seconds (TORCHPASS_COLLECTIVE_TIMEOUT: 15)",
+    )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--signals", default=",".join(SIGNALS))
     args = parser.parse_args(argv)
@@ -196,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                 table.setdefault((how, rank), {})[mode] = cell
                 if left is not None:
                     errors.append(f"{how:4} {mode:8} rank {rank}: {left.error}")
-    print(f"torch {torch.__version__}, gloo, {WORLD} ranks on 127.0.0.1, victim rank {VICTIM}, "
-          f"collective timeout {args.timeout:g} s; seconds from the signal to leaving the collective")
+    print(
+        f"torch {torch.__version__}, gloo, {WORLD} ranks on 127.0.0.1, victim rank {VICTIM}, "
+        f"collective timeout {args.timeout:g} s; seconds from the signal to leaving the collective"
+    )
     print(f"{'victim':8} {'survivor':9} " + " ".join(f"{m:>9}" for m in modes))
     for (how, rank), cells in sorted(table.items()):
         print(f"{how:8} {'rank ' + str(rank):9} " + " ".join(f"{cells.get(m, '-'):>9}" for m in modes))

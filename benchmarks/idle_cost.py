@@ -33,8 +33,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from torchpass_slurm.control.secret import create_secret, load_secret  # noqa: E402
-from torchpass_slurm.control.server import ControlServer  # noqa: E402
+from torchpass_slurm.control.secret import create_secret, load_secret
+from torchpass_slurm.control.server import ControlServer
 
 CHILD = textwrap.dedent("""
     import os, sys, time, datetime
@@ -68,13 +68,24 @@ def cpu_seconds(pid: int) -> float:
 
 
 def measure(role: str, seconds: float, server: ControlServer, secret_file: Path) -> dict[str, Any]:
-    env = dict(os.environ, TORCHPASS_CONTROL=server.endpoint, TORCHPASS_SECRET_FILE=str(secret_file),
-               TORCHPASS_ROLE=role if role != "baseline" else "active", TORCHPASS_NODE="c9",
-               TORCHPASS_JOB_ID="1", SLURM_LOCALID="0", TORCHPASS_RANK_BASE="0",
-               WORLD_SIZE="1", SLURM_PROCID="0", SLURM_NTASKS="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT="29999")
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, role, str(seconds + 2)], env=env,
-                            stdout=subprocess.PIPE, text=True)
+    env = dict(
+        os.environ,
+        TORCHPASS_CONTROL=server.endpoint,
+        TORCHPASS_SECRET_FILE=str(secret_file),
+        TORCHPASS_ROLE=role if role != "baseline" else "active",
+        TORCHPASS_NODE="c9",
+        TORCHPASS_JOB_ID="1",
+        SLURM_LOCALID="0",
+        TORCHPASS_RANK_BASE="0",
+        WORLD_SIZE="1",
+        SLURM_PROCID="0",
+        SLURM_NTASKS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29999",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, role, str(seconds + 2)], env=env, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None
     if proc.stdout.readline().strip() != "ready":
         raise RuntimeError(f"the {role} process did not start")
@@ -89,8 +100,13 @@ def measure(role: str, seconds: float, server: ControlServer, secret_file: Path)
     cpu, wall = cpu_seconds(proc.pid) - start_cpu, time.monotonic() - start
     proc.kill()
     proc.wait(timeout=30)
-    return {"role": role, "cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
-            "core_share": cpu / wall, "messages_per_s": round(counted / wall, 1)}
+    return {
+        "role": role,
+        "cpu_s": round(cpu, 3),
+        "wall_s": round(wall, 3),
+        "core_share": cpu / wall,
+        "messages_per_s": round(counted / wall, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,13 +117,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         secret_file = create_secret(Path(tmp))
         with ControlServer(load_secret(secret_file), "127.0.0.1") as server:
-            rows = [measure(role, args.seconds, server, secret_file) for role in ("baseline", "spare", "active")]
+            rows = [
+                measure(role, args.seconds, server, secret_file) for role in ("baseline", "spare", "active")
+            ]
     base = rows[0]["core_share"]
-    print(f"{'process':<10} {'CPU s':>7} {'wall s':>7} {'% of a core':>12} {'less baseline':>14} {'msg/s':>7}")
+    print(
+        f"{'process':<10} {'CPU s':>7} {'wall s':>7} {'% of a core':>12} {'less baseline':>14} {'msg/s':>7}"
+    )
     for r in rows:
         r["cost_share"] = r["core_share"] - base
-        print(f"{r['role']:<10} {r['cpu_s']:>7.3f} {r['wall_s']:>7.2f} {100 * r['core_share']:>11.2f}% "
-              f"{100 * r['cost_share']:>13.2f}% {r['messages_per_s']:>7.1f}")
+        print(
+            f"{r['role']:<10} {r['cpu_s']:>7.3f} {r['wall_s']:>7.2f} {100 * r['core_share']:>11.2f}% "
+            f"{100 * r['cost_share']:>13.2f}% {r['messages_per_s']:>7.1f}"
+        )
     if args.json:
         args.json.write_text(json.dumps({"seconds": args.seconds, "rows": rows}, indent=1) + "\n")
     return 0

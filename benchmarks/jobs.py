@@ -39,8 +39,17 @@ IDLE_TIMEOUT_S = 240.0
 #: Seconds between two polls of a job's progress.
 POLL_S = 0.5
 
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 STEP_LINE = re.compile(r"^step=(\d+) loss=", re.MULTILINE)
 THROUGHPUT_LINE = re.compile(r"^throughput steps=(\d+) seconds=([\d.]+) tokens_per_s=([\d.]+)", re.MULTILINE)
 DONE_LINE = re.compile(r"^done step=(\d+) loss=([\d.na]+) params_sha256=(\w+)", re.MULTILINE)
@@ -100,12 +109,14 @@ def new_folder(kind: str) -> str:
     return folder
 
 
-def submit_tp(train_args: Sequence[str], *, nodes: int = 3, spares: int = 1,
-              env: Mapping[str, str] | None = None) -> Job:
+def submit_tp(
+    train_args: Sequence[str], *, nodes: int = 3, spares: int = 1, env: Mapping[str, str] | None = None
+) -> Job:
     """tp-submit the example training (tp run, ``spares`` hot spares)."""
     folder = new_folder("tp")
-    job_id = CLUSTER.tp_submit(folder, "-N", str(nodes), "--spares", str(spares), TP_SCRIPT,
-                               *train_args, env=env)
+    job_id = CLUSTER.tp_submit(
+        folder, "-N", str(nodes), "--spares", str(spares), TP_SCRIPT, *train_args, env=env
+    )
     return Job(job_id, folder, time.monotonic())
 
 
@@ -113,9 +124,18 @@ def submit_plain(train_args: Sequence[str], *, nodes: int = 3, requeue: bool = F
     """sbatch the example training with plain srun + torch DDP (no torchpass)."""
     folder = new_folder("plain")
     flags = ["--requeue", "--open-mode=append"] if requeue else ["--no-requeue"]
-    job_id = CLUSTER.sbatch("-N", str(nodes), *flags, "--output", f"{folder}/slurm-%j.out",
-                            PLAIN_SCRIPT, "--plain-ddp", "--ckpt-dir", f"{folder}/checkpoints",
-                            *train_args)
+    job_id = CLUSTER.sbatch(
+        "-N",
+        str(nodes),
+        *flags,
+        "--output",
+        f"{folder}/slurm-%j.out",
+        PLAIN_SCRIPT,
+        "--plain-ddp",
+        "--ckpt-dir",
+        f"{folder}/checkpoints",
+        *train_args,
+    )
     return Job(job_id, folder, time.monotonic())
 
 
@@ -167,8 +187,13 @@ def plain_victim(job: Job) -> str:
 Injector = Callable[[Job], dict[str, Any]]
 
 
-def run(job: Job, progress_of: Callable[[Job], int],
-        faults: Sequence[tuple[int, Injector]] = (), *, timeout: float = JOB_TIMEOUT_S) -> Job:
+def run(
+    job: Job,
+    progress_of: Callable[[Job], int],
+    faults: Sequence[tuple[int, Injector]] = (),
+    *,
+    timeout: float = JOB_TIMEOUT_S,
+) -> Job:
     """Wait for the job to end, injecting each fault once its step is reached (in order)."""
     pending = list(faults)
     deadline = time.monotonic() + timeout
@@ -196,19 +221,23 @@ def run(job: Job, progress_of: Callable[[Job], int],
 
 def kill_node(victim_of: Callable[[Job], str]) -> Injector:
     """Power loss: the node's container is killed."""
+
     def inject(job: Job) -> dict[str, Any]:
         node = victim_of(job)
         CLUSTER.kill(node)
         return {"kind": "kill", "node": node}
+
     return inject
 
 
 def drain_node(victim_of: Callable[[Job], str]) -> Injector:
     """Planned maintenance: an admin drains the node (``scontrol update state=drain``)."""
+
     def inject(job: Job) -> dict[str, Any]:
         node = victim_of(job)
         on("ctl", "scontrol", "update", f"nodename={node}", "state=drain", "reason=bench: maintenance")
         return {"kind": "drain", "node": node}
+
     return inject
 
 

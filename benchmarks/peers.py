@@ -40,19 +40,26 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import jobs
-from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.analysis.report_totals import job_json
 from torchpass_slurm.cli.report import load_report
+from torchpass_slurm.rundir import events as ev
 
 TORCHFT_SCRIPT = "/src/sbatch-examples/tiny_gpt_torchft.sbatch"
 SYSTEMS = ("torchft", "torchft-fixed", "torchpass", "restart", "requeue")
-SYSTEM_LABELS = {"torchpass": "torchpass (live migration)", "torchft": "torchft 0.2.0",
-                 "torchft-fixed": "torchft 0.2.0, comm hook fixed",
-                 "restart": "checkpoint restart in the allocation (tp run)",
-                 "requeue": "sbatch --requeue (plain DDP)"}
+SYSTEM_LABELS = {
+    "torchpass": "torchpass (live migration)",
+    "torchft": "torchft 0.2.0",
+    "torchft-fixed": "torchft 0.2.0, comm hook fixed",
+    "restart": "checkpoint restart in the allocation (tp run)",
+    "requeue": "sbatch --requeue (plain DDP)",
+}
 CASES = ("no_fault", "node_kill", "rank_kill", "drain")
-CASE_LABELS = {"no_fault": "no fault", "node_kill": "2 nodes powered off",
-               "rank_kill": "rank process SIGKILLed", "drain": "admin drain"}
+CASE_LABELS = {
+    "no_fault": "no fault",
+    "node_kill": "2 nodes powered off",
+    "rank_kill": "rank process SIGKILLed",
+    "drain": "admin drain",
+}
 PATTERNS = {"torchft": "tiny_gpt_torchft.py", "torchft-fixed": "tiny_gpt_torchft.py"}
 TRAINING = "sbatch-examples/tiny_gpt.py"
 
@@ -73,8 +80,20 @@ class PeerSizing:
 
     def train_args(self, steps: int, sleep: float, ckpt_every: int) -> list[str]:
         d, layers = self.model
-        return ["--d-model", str(d), "--n-layers", str(layers), "--steps", str(steps),
-                "--ckpt-every", str(ckpt_every), "--step-sleep", str(sleep), "--log-every", "1"]
+        return [
+            "--d-model",
+            str(d),
+            "--n-layers",
+            str(layers),
+            "--steps",
+            str(steps),
+            "--ckpt-every",
+            str(ckpt_every),
+            "--step-sleep",
+            str(sleep),
+            "--log-every",
+            "1",
+        ]
 
 
 # --- submitting, watching -------------------------------------------------------------
@@ -91,10 +110,18 @@ def submit(system: str, args: list[str], spares: int) -> jobs.Job:
         return jobs.submit_plain(args)
     folder = jobs.new_folder("torchft")
     hook = "fixed" if system == "torchft-fixed" else "shipped"
-    job_id = jobs.CLUSTER.sbatch("-N", str(3 + spares), "--no-kill", "--output", f"{folder}/slurm-%j.out",
-                                 f"--export=ALL,TORCHFT_LOG_DIR={folder},TORCHFT_DDP_HOOK={hook}",
-                                 "--chdir", folder,
-                                 TORCHFT_SCRIPT, *args)
+    job_id = jobs.CLUSTER.sbatch(
+        "-N",
+        str(3 + spares),
+        "--no-kill",
+        "--output",
+        f"{folder}/slurm-%j.out",
+        f"--export=ALL,TORCHFT_LOG_DIR={folder},TORCHFT_DDP_HOOK={hook}",
+        "--chdir",
+        folder,
+        TORCHFT_SCRIPT,
+        *args,
+    )
     return jobs.Job(job_id, folder, time.monotonic())
 
 
@@ -123,7 +150,8 @@ def torchft_victim(job: jobs.Job) -> str:
         if r.get("event") == "start":
             latest[r["group"]] = r["node"]
     gone = {f["node"] for f in job.faults if f["kind"] == "kill"} | {
-        jobs.CLUSTER.job_field(job.job_id, "BatchHost")}
+        jobs.CLUSTER.job_field(job.job_id, "BatchHost")
+    }
     nodes = [node for _, node in sorted(latest.items()) if node not in gone]
     if not nodes:
         raise jobs.BenchError(f"torchft job {job.job_id} has no group outside its batch host yet")
@@ -131,11 +159,20 @@ def torchft_victim(job: jobs.Job) -> str:
 
 
 PROGRESS: dict[str, Callable[[jobs.Job], int]] = {
-    "torchpass": jobs.tp_progress, "restart": jobs.tp_progress, "requeue": jobs.plain_progress,
-    "plain": jobs.plain_progress, "torchft": torchft_progress, "torchft-fixed": torchft_progress}
+    "torchpass": jobs.tp_progress,
+    "restart": jobs.tp_progress,
+    "requeue": jobs.plain_progress,
+    "plain": jobs.plain_progress,
+    "torchft": torchft_progress,
+    "torchft-fixed": torchft_progress,
+}
 VICTIM: dict[str, Callable[[jobs.Job], str]] = {
-    "torchpass": jobs.tp_victim, "restart": jobs.tp_victim, "requeue": jobs.plain_victim,
-    "torchft": torchft_victim, "torchft-fixed": torchft_victim}
+    "torchpass": jobs.tp_victim,
+    "restart": jobs.tp_victim,
+    "requeue": jobs.plain_victim,
+    "torchft": torchft_victim,
+    "torchft-fixed": torchft_victim,
+}
 
 
 class StepClock:
@@ -158,11 +195,13 @@ def injector(kind: str, system: str) -> jobs.Injector:
         if kind == "kill":
             jobs.CLUSTER.kill(node)
         elif kind == "drain":
-            jobs.on("ctl", "scontrol", "update", f"nodename={node}", "state=drain",
-                    "reason=bench: maintenance")
+            jobs.on(
+                "ctl", "scontrol", "update", f"nodename={node}", "state=drain", "reason=bench: maintenance"
+            )
         else:
             jobs.on(node, "pkill", "-KILL", "-f", PATTERNS.get(system, TRAINING), check=False)
         return {"kind": kind, "node": node, "wall": wall}
+
     return inject
 
 
@@ -172,9 +211,11 @@ def injector(kind: str, system: str) -> jobs.Injector:
 def run_case(system: str, case: str, size: PeerSizing) -> dict[str, Any]:
     args = size.train_args(size.steps, size.step_sleep, size.ckpt_every)
     plan: list[tuple[int, jobs.Injector]] = {
-        "no_fault": [], "node_kill": [(at, injector("kill", system)) for at in size.kills_at],
+        "no_fault": [],
+        "node_kill": [(at, injector("kill", system)) for at in size.kills_at],
         "rank_kill": [(size.fault_at, injector("rank-kill", system))],
-        "drain": [(size.fault_at, injector("drain", system))]}[case]
+        "drain": [(size.fault_at, injector("drain", system))],
+    }[case]
     jobs.wait_idle()
     jobs.progress(f"peers: {system}, {CASE_LABELS[case]}")
     clock = StepClock(PROGRESS[system])
@@ -185,9 +226,15 @@ def run_case(system: str, case: str, size: PeerSizing) -> dict[str, Any]:
         jobs.progress(f"  {err}")
         job.ended = job.ended or time.monotonic()
     end_wall = time.time() - (time.monotonic() - (job.ended or time.monotonic()))
-    out: dict[str, Any] = {"job": job.job_id, "state": job.state, "folder": job.folder,
-                           "seconds": round(job.seconds, 2), "timeline": job.timeline,
-                           "injected": job.faults, **outcome(system, job, clock, size)}
+    out: dict[str, Any] = {
+        "job": job.job_id,
+        "state": job.state,
+        "folder": job.folder,
+        "seconds": round(job.seconds, 2),
+        "timeline": job.timeline,
+        "injected": job.faults,
+        **outcome(system, job, clock, size),
+    }
     if case == "drain" and job.faults:
         out["drained_node_held_s"] = held(system, job, end_wall)
     jobs.restart_nodes([f["node"] for f in job.faults if f["kind"] == "kill"])
@@ -212,20 +259,29 @@ def outcome(system: str, job: jobs.Job, clock: StepClock, size: PeerSizing) -> d
         return torchft_outcome(job, walls, size)
     text = job.output()
     done = jobs.DONE_LINE.search(text)
-    result: dict[str, Any] = {"final_loss": done.group(2) if done else None,
-                              "params_sha256": done.group(3) if done else None, "fewer_replica_steps": 0}
+    result: dict[str, Any] = {
+        "final_loss": done.group(2) if done else None,
+        "params_sha256": done.group(3) if done else None,
+        "fewer_replica_steps": 0,
+    }
     if system == "requeue":
         starts = [int(s) for s in jobs.START_LINE.findall(text)]
         computed = sum(1 for _ in jobs.STEP_LINE.finditer(text))
-        result.update(recoveries_s=requeue_recoveries({"injected": job.faults, "timeline": job.timeline}),
-                      starts_at_steps=starts, lost_steps=max(0, computed - size.steps) if done else None,
-                      resolutions=["requeue" if len(starts) > 1 else "-"] * len(walls))
+        result.update(
+            recoveries_s=requeue_recoveries({"injected": job.faults, "timeline": job.timeline}),
+            starts_at_steps=starts,
+            lost_steps=max(0, computed - size.steps) if done else None,
+            resolutions=["requeue" if len(starts) > 1 else "-"] * len(walls),
+        )
         return result
     report = job_json(load_report(jobs.CLUSTER.host_path(job.folder)))
     faults = report.get("faults", [])
-    result.update(recoveries_s=tp_recoveries(job, walls),
-                  lost_steps=sum(int(f.get("lost_steps") or 0) for f in faults),
-                  resolutions=[f.get("resolution") for f in faults], report_faults=faults)
+    result.update(
+        recoveries_s=tp_recoveries(job, walls),
+        lost_steps=sum(int(f.get("lost_steps") or 0) for f in faults),
+        resolutions=[f.get("resolution") for f in faults],
+        report_faults=faults,
+    )
     return result
 
 
@@ -252,8 +308,12 @@ def tp_recoveries(job: jobs.Job, walls: Sequence[float]) -> list[float | None]:
     restart logs none: there, to the ranks resumed from the checkpoint (``migration_done``),
     one step short of the first step."""
     events = ev.read_events(job.event_log())
-    marks = [(e.ts, 0) for e in events if e.kind == ev.FIRST_STEP or (
-        e.kind == ev.MIGRATION_DONE and e.fields.get("resolution") == "checkpoint")]
+    marks = [
+        (e.ts, 0)
+        for e in events
+        if e.kind == ev.FIRST_STEP
+        or (e.kind == ev.MIGRATION_DONE and e.fields.get("resolution") == "checkpoint")
+    ]
     return [_after(marks, w, lambda s: True) for w in walls]
 
 
@@ -314,12 +374,17 @@ def torchft_outcome(job: jobs.Job, walls: list[float], size: PeerSizing, replica
     hashes = {d["params_sha256"] for d in dones}
     losses = [d["loss"] for d in dones]
     restarts = [r for r in records if r.get("event") == "start" and r.get("restart", 0) > 0]
-    return {"recoveries_s": recov, "full_strength_s": full, "lost_steps": rolled_back(commits),
-            "fewer_replica_steps": sum(1 for p in by_step.values() if p < replicas),
-            "final_loss": f"{statistics.fmean(losses):.4f}" if losses else None,
-            "params_sha256": hashes.pop() if len(hashes) == 1 else (None if not hashes else "differ"),
-            "groups_done": len(dones), "group_restarts": [(r["group"], r["node"]) for r in restarts],
-            "resolutions": ["group restarted" if restarts else "none"] * len(walls)}
+    return {
+        "recoveries_s": recov,
+        "full_strength_s": full,
+        "lost_steps": rolled_back(commits),
+        "fewer_replica_steps": sum(1 for p in by_step.values() if p < replicas),
+        "final_loss": f"{statistics.fmean(losses):.4f}" if losses else None,
+        "params_sha256": hashes.pop() if len(hashes) == 1 else (None if not hashes else "differ"),
+        "groups_done": len(dones),
+        "group_restarts": [(r["group"], r["node"]) for r in restarts],
+        "resolutions": ["group restarted" if restarts else "none"] * len(walls),
+    }
 
 
 # --- throughput --------------------------------------------------------------------------------
@@ -335,21 +400,29 @@ def throughput(size: PeerSizing) -> dict[str, Any]:
             job = jobs.run(submit(system, args, size.spares), PROGRESS[system])
             line = jobs.THROUGHPUT_LINE.search(job.output())
             if not line:
-                raise jobs.BenchError(f"{system} job {job.job_id} ended {job.state} "
-                                      "without a throughput line")
+                raise jobs.BenchError(
+                    f"{system} job {job.job_id} ended {job.state} without a throughput line"
+                )
             runs[system].append(float(line.group(3)))
     median = {s: statistics.median(v) for s, v in runs.items()}
-    return {"train_args": args, "runs": runs, "median_tokens_per_s": median,
-            "against_plain": {s: round(median[s] / median["plain"], 3) for s in runs}}
+    return {
+        "train_args": args,
+        "runs": runs,
+        "median_tokens_per_s": median,
+        "against_plain": {s: round(median[s] / median["plain"], 3) for s in runs},
+    }
 
 
-def peers(size: PeerSizing | None = None,
-          save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def peers(
+    size: PeerSizing | None = None, save: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     size = size or PeerSizing()
     sizing = size.__dict__ | {"model": list(size.model), "kills_at": list(size.kills_at)}
-    out: dict[str, Any] = {"sizing": sizing,
-                           "train_args": size.train_args(size.steps, size.step_sleep, size.ckpt_every),
-                           "systems": {}}
+    out: dict[str, Any] = {
+        "sizing": sizing,
+        "train_args": size.train_args(size.steps, size.step_sleep, size.ckpt_every),
+        "systems": {},
+    }
     for system in SYSTEMS:
         out["systems"][system] = run_system(system, size, lambda: save(out) if save else None)
     out["throughput"] = throughput(size)
@@ -385,10 +458,13 @@ def tables(r: dict[str, Any]) -> str:
     lines = ["| system | tokens/s | against plain DDP |", "|---|---|---|"]
     for s, v in t["median_tokens_per_s"].items():
         lines.append(f"| {s} | {v:.0f} | {100 * t['against_plain'][s]:.1f} % |")
-    lines += ["", "| system | fault | end | job time (s) | over no fault (s) "
-              "| fault to next committed step (s) | committed steps lost | steps with < 3 replicas "
-              "| final loss | bitwise = no fault |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| system | fault | end | job time (s) | over no fault (s) "
+        "| fault to next committed step (s) | committed steps lost | steps with < 3 replicas "
+        "| final loss | bitwise = no fault |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for system, cases in r["systems"].items():
         base = job_seconds(cases["no_fault"])
         for case, run in cases.items():
@@ -396,11 +472,13 @@ def tables(r: dict[str, Any]) -> str:
             rec = ", ".join(_s(x) for x in run.get("recoveries_s") or []) or "-"
             if "drained_node_held_s" in run:
                 rec += f" (node held {run['drained_node_held_s']:.1f} s)"
-            lines.append(f"| {SYSTEM_LABELS[system]} | {CASE_LABELS[case]} | {run['state']} | {secs:.1f} | "
-                         f"{'-' if case == 'no_fault' else f'{secs - base:+.1f}'} | {rec} | "
-                         f"{run.get('lost_steps', '-')} | {run.get('fewer_replica_steps', '-')} | "
-                         f"{run.get('final_loss') or '-'} | "
-                         f"{'yes' if run['bitwise_equal_to_no_fault'] else 'no'} |")
+            lines.append(
+                f"| {SYSTEM_LABELS[system]} | {CASE_LABELS[case]} | {run['state']} | {secs:.1f} | "
+                f"{'-' if case == 'no_fault' else f'{secs - base:+.1f}'} | {rec} | "
+                f"{run.get('lost_steps', '-')} | {run.get('fewer_replica_steps', '-')} | "
+                f"{run.get('final_loss') or '-'} | "
+                f"{'yes' if run['bitwise_equal_to_no_fault'] else 'no'} |"
+            )
     return "\n".join(lines)
 
 
@@ -408,11 +486,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "peers.json")
     p.add_argument("--rounds", type=int, default=2, help="throughput rounds, alternated (default 2)")
-    p.add_argument("--reanalyse", action="store_true",
-                   help="only recompute the torchft rows of --json from their run folders, and print")
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help="systems to run (default all); with fewer, the others' runs in --json are kept "
-                        "and no throughput is measured")
+    p.add_argument(
+        "--reanalyse",
+        action="store_true",
+        help="only recompute the torchft rows of --json from their run folders, and print",
+    )
+    p.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="systems to run (default all); with fewer, the others' runs in --json are kept "
+        "and no throughput is measured",
+    )
     a = p.parse_args(argv)
     if a.reanalyse:
         result = json.loads(a.json.read_text())
@@ -425,9 +509,11 @@ def main(argv: list[str] | None = None) -> int:
     if started:
         cluster.up()
     try:
+
         def save(result: dict[str, Any]) -> None:
             a.json.parent.mkdir(parents=True, exist_ok=True)
             a.json.write_text(json.dumps(result, indent=1) + "\n")
+
         systems = tuple(s for s in a.systems.split(",") if s)
         if set(systems) == set(SYSTEMS):
             result = peers(PeerSizing(throughput_rounds=a.rounds), save)

@@ -47,14 +47,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import jobs, peers, sharded
 
 SYSTEMS = ("torchpass", "torchft")
-SYSTEM_LABELS = {"torchpass": "torchpass HSDP 2x2 (live migration, 1 hot spare)",
-                 "torchft": "torchft 0.2.0 HSDP 2x2 (TorchTitan's wiring, 1 idle node)"}
+SYSTEM_LABELS = {
+    "torchpass": "torchpass HSDP 2x2 (live migration, 1 hot spare)",
+    "torchft": "torchft 0.2.0 HSDP 2x2 (TorchTitan's wiring, 1 idle node)",
+}
 CASES = ("no_fault", "node_kill", "rank_kill")
-CASE_LABELS = {"no_fault": "no fault", "node_kill": "a node powered off",
-               "rank_kill": "rank process SIGKILLed"}
+CASE_LABELS = {
+    "no_fault": "no fault",
+    "node_kill": "a node powered off",
+    "rank_kill": "rank process SIGKILLed",
+}
 #: The training process of each system, as ``pkill -f`` finds it on a node.
-PATTERNS = {"torchpass": "sbatch-examples/tiny_gpt_hsdp.py",
-            "torchft": "sbatch-examples/tiny_gpt_torchft_hsdp.py"}
+PATTERNS = {
+    "torchpass": "sbatch-examples/tiny_gpt_hsdp.py",
+    "torchft": "sbatch-examples/tiny_gpt_torchft_hsdp.py",
+}
 TORCHFT_ENV = "TORCHFT_GROUPS=2,TORCHFT_GROUP_SIZE=2"
 #: Replica groups of the mesh (its replicate dimension).
 REPLICAS = 2
@@ -79,9 +86,18 @@ def submit(system: str, args: Sequence[str]) -> jobs.Job:
     if system == "torchpass":
         return sharded.submit(sharded.HSDP_SCRIPT, list(args))
     folder = jobs.new_folder("torchft-hsdp")
-    job_id = jobs.CLUSTER.sbatch("-N", "5", "--no-kill", "--output", f"{folder}/slurm-%j.out",
-                                 f"--export=ALL,TORCHFT_LOG_DIR={folder},{TORCHFT_ENV}", "--chdir", folder,
-                                 peers.TORCHFT_SCRIPT, *args)
+    job_id = jobs.CLUSTER.sbatch(
+        "-N",
+        "5",
+        "--no-kill",
+        "--output",
+        f"{folder}/slurm-%j.out",
+        f"--export=ALL,TORCHFT_LOG_DIR={folder},{TORCHFT_ENV}",
+        "--chdir",
+        folder,
+        peers.TORCHFT_SCRIPT,
+        *args,
+    )
     return jobs.Job(job_id, folder, time.monotonic())
 
 
@@ -102,7 +118,8 @@ def victim(system: str, job: jobs.Job) -> str:
     if system == "torchpass":
         return jobs.tp_victim(job)
     gone = {f["node"] for f in job.faults if f["kind"] == "kill"} | {
-        jobs.CLUSTER.job_field(job.job_id, "BatchHost")}
+        jobs.CLUSTER.job_field(job.job_id, "BatchHost")
+    }
     return torchft_victim_of(peers.torchft_records(job), gone)
 
 
@@ -114,11 +131,14 @@ def injector(kind: str, system: str) -> jobs.Injector:
         else:
             jobs.on(node, "pkill", "-KILL", "-f", PATTERNS[system], check=False)
         return {"kind": kind, "node": node, "wall": wall}
+
     return inject
 
 
-PROGRESS: dict[str, Callable[[jobs.Job], int]] = {"torchpass": jobs.tp_progress,
-                                                  "torchft": peers.torchft_progress}
+PROGRESS: dict[str, Callable[[jobs.Job], int]] = {
+    "torchpass": jobs.tp_progress,
+    "torchft": peers.torchft_progress,
+}
 
 
 # --- one run -----------------------------------------------------------------------------------
@@ -127,8 +147,10 @@ PROGRESS: dict[str, Callable[[jobs.Job], int]] = {"torchpass": jobs.tp_progress,
 def run_case(system: str, case: str, size: HsdpSizing) -> dict[str, Any]:
     args = size.train_args(size.steps, size.step_sleep, size.ckpt_every)
     plan: list[tuple[int, jobs.Injector]] = {
-        "no_fault": [], "node_kill": [(at, injector("kill", system)) for at in size.kills_at],
-        "rank_kill": [(size.fault_at, injector("rank-kill", system))]}[case]
+        "no_fault": [],
+        "node_kill": [(at, injector("kill", system)) for at in size.kills_at],
+        "rank_kill": [(size.fault_at, injector("rank-kill", system))],
+    }[case]
     jobs.wait_idle()
     jobs.progress(f"peers-hsdp: {system}, {CASE_LABELS[case]}")
     clock = peers.StepClock(PROGRESS[system])
@@ -138,9 +160,15 @@ def run_case(system: str, case: str, size: HsdpSizing) -> dict[str, Any]:
     except jobs.BenchError as err:  # a system that does not survive a fault is a result
         jobs.progress(f"  {err}")
         job.ended = job.ended or time.monotonic()
-    out: dict[str, Any] = {"job": job.job_id, "state": job.state, "folder": job.folder,
-                           "seconds": round(job.seconds, 2), "timeline": job.timeline,
-                           "injected": job.faults, **outcome(system, job, clock, size)}
+    out: dict[str, Any] = {
+        "job": job.job_id,
+        "state": job.state,
+        "folder": job.folder,
+        "seconds": round(job.seconds, 2),
+        "timeline": job.timeline,
+        "injected": job.faults,
+        **outcome(system, job, clock, size),
+    }
     jobs.restart_nodes([f["node"] for f in job.faults if f["kind"] == "kill"])
     return out
 
@@ -151,8 +179,9 @@ def outcome(system: str, job: jobs.Job, clock: peers.StepClock, size: HsdpSizing
     return peers.outcome(system, job, clock, size)
 
 
-def run_system(system: str, cases: Sequence[str], size: HsdpSizing, runs: dict[str, Any],
-               saved: Callable[[], object]) -> None:
+def run_system(
+    system: str, cases: Sequence[str], size: HsdpSizing, runs: dict[str, Any], saved: Callable[[], object]
+) -> None:
     """The cases of one system into ``runs``, its fault-free run first (the bitwise reference)."""
     for case in ("no_fault", *(c for c in cases if c != "no_fault")):
         run = runs[case] = run_case(system, case, size)
@@ -170,22 +199,27 @@ def throughput_summary(runs: Mapping[str, Sequence[float]]) -> dict[str, Any]:
     median = {s: statistics.median(v) for s, v in runs.items() if v}
     both = {"torchpass", "torchft"} <= set(median)
     ratio = round(median["torchpass"] / median["torchft"], 3) if both else None
-    return {"runs": {s: list(v) for s, v in runs.items()}, "median_tokens_per_s": median,
-            "torchpass_over_torchft": ratio}
+    return {
+        "runs": {s: list(v) for s, v in runs.items()},
+        "median_tokens_per_s": median,
+        "torchpass_over_torchft": ratio,
+    }
 
 
 def throughput(size: HsdpSizing) -> dict[str, Any]:
     args = size.train_args(size.throughput_steps, 0.0, 0)
     runs: dict[str, list[float]] = {s: [] for s in SYSTEMS}
     for i in range(size.throughput_rounds):
-        for system in (SYSTEMS if i % 2 == 0 else SYSTEMS[::-1]):  # alternated: ABBA...
+        for system in SYSTEMS if i % 2 == 0 else SYSTEMS[::-1]:  # alternated: ABBA...
             jobs.wait_idle()
             jobs.progress(f"peers-hsdp: throughput, {system} (round {i + 1})")
             job = jobs.run(submit(system, args), PROGRESS[system])
             line = jobs.THROUGHPUT_LINE.search(job.output())
             if not line:
-                raise jobs.BenchError(f"{system} job {job.job_id} ended {job.state} without a throughput "
-                                      f"line (output in {job.folder})")
+                raise jobs.BenchError(
+                    f"{system} job {job.job_id} ended {job.state} without a throughput "
+                    f"line (output in {job.folder})"
+                )
             runs[system].append(float(line.group(3)))
     return {"train_args": args, **throughput_summary(runs)}
 
@@ -199,26 +233,30 @@ def tables(r: Mapping[str, Any]) -> str:
     if t:
         rounds = max(len(v) for v in t["runs"].values())
         heads = " | ".join(f"round {i + 1}" for i in range(rounds))
-        lines += [f"| system | {heads} | median tokens/s |",
-                  "|---|" + "---|" * (rounds + 1)]
+        lines += [f"| system | {heads} | median tokens/s |", "|---|" + "---|" * (rounds + 1)]
         for s, values in t["runs"].items():
             cells = " | ".join(f"{v:,.0f}" for v in values)
             lines.append(f"| {SYSTEM_LABELS[s]} | {cells} | {t['median_tokens_per_s'][s]:,.0f} |")
         lines += ["", f"torchpass / torchft: {t['torchpass_over_torchft']}", ""]
-    lines += ["| system | fault | end | job time (s) | over no fault (s) | fault to next committed step (s) "
-              "| back to 2 groups (s) | committed steps lost | steps with < 2 replicas | final loss "
-              "| bitwise = no fault |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "| system | fault | end | job time (s) | over no fault (s) | fault to next committed step (s) "
+        "| back to 2 groups (s) | committed steps lost | steps with < 2 replicas | final loss "
+        "| bitwise = no fault |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for system, cases in r["systems"].items():
         base = peers.job_seconds(cases["no_fault"])
         for case, run in cases.items():
             secs = peers.job_seconds(run)
             rec = ", ".join(peers._s(x) for x in run.get("recoveries_s") or []) or "-"
             full = ", ".join(peers._s(x) for x in run.get("full_strength_s") or []) or "-"
-            lines.append(f"| {SYSTEM_LABELS[system]} | {CASE_LABELS[case]} | {run['state']} | {secs:.1f} | "
-                         f"{'-' if case == 'no_fault' else f'{secs - base:+.1f}'} | {rec} | {full} | "
-                         f"{run.get('lost_steps', '-')} | {run.get('fewer_replica_steps', '-')} | "
-                         f"{run.get('final_loss') or '-'} | "
-                         f"{'yes' if run['bitwise_equal_to_no_fault'] else 'no'} |")
+            lines.append(
+                f"| {SYSTEM_LABELS[system]} | {CASE_LABELS[case]} | {run['state']} | {secs:.1f} | "
+                f"{'-' if case == 'no_fault' else f'{secs - base:+.1f}'} | {rec} | {full} | "
+                f"{run.get('lost_steps', '-')} | {run.get('fewer_replica_steps', '-')} | "
+                f"{run.get('final_loss') or '-'} | "
+                f"{'yes' if run['bitwise_equal_to_no_fault'] else 'no'} |"
+            )
     return "\n".join(lines)
 
 
@@ -228,15 +266,25 @@ def tables(r: Mapping[str, Any]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     day = time.strftime("%Y-%m-%d", time.gmtime())
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.peers_hsdp", description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", type=Path, default=RESULTS / f"peers-hsdp-{day}.json",
-                   help="write the results here (default benchmarks/results/peers-hsdp-<UTC date>.json)")
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=RESULTS / f"peers-hsdp-{day}.json",
+        help="write the results here (default benchmarks/results/peers-hsdp-<UTC date>.json)",
+    )
     p.add_argument("--rounds", type=int, default=2, help="throughput rounds, alternated (default 2; 0: none)")
-    p.add_argument("--cases", default=",".join(CASES),
-                   help=f"fault cases, comma-separated, of {', '.join(CASES)} "
-                        "(default all; no_fault always runs)")
+    p.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help=f"fault cases, comma-separated, of {', '.join(CASES)} (default all; no_fault always runs)",
+    )
     p.add_argument("--systems", default=",".join(SYSTEMS), help="systems to run (default both)")
-    p.add_argument("--steps", type=int, default=HsdpSizing.steps,
-                   help=f"steps of the fault runs (default {HsdpSizing.steps}; the fault at step 8)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=HsdpSizing.steps,
+        help=f"steps of the fault runs (default {HsdpSizing.steps}; the fault at step 8)",
+    )
     p.add_argument("--tables", action="store_true", help="only print the tables of --json")
     a = p.parse_args(argv)
     for name, valid in (("cases", CASES), ("systems", SYSTEMS)):
@@ -255,7 +303,9 @@ def measure(a: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> di
         "host": {"machine": platform.machine(), "cpus": os.cpu_count()},
         "slurm": jobs.on("ctl", "sinfo", "--version").strip(),
         "sizing": size.__dict__ | {"model": list(size.model), "kills_at": list(size.kills_at)},
-        "train_args": size.train_args(size.steps, size.step_sleep, size.ckpt_every), "systems": {}}
+        "train_args": size.train_args(size.steps, size.step_sleep, size.ckpt_every),
+        "systems": {},
+    }
     for system in a.systems:
         run_system(system, a.cases, size, result["systems"].setdefault(system, {}), lambda: save(result))
     if a.rounds and set(a.systems) == set(SYSTEMS):
@@ -272,8 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     from scripts import devcluster
 
     if devcluster.FLAVOR.name != "bookworm":
-        print("benchmarks.peers_hsdp runs on the bookworm dev cluster (FSDP2 and torchft need torch 2.13): "
-              "TP_CLUSTER_FLAVOR=bookworm python3 -m benchmarks.peers_hsdp", file=sys.stderr)
+        print(
+            "benchmarks.peers_hsdp runs on the bookworm dev cluster (FSDP2 and torchft need torch 2.13): "
+            "TP_CLUSTER_FLAVOR=bookworm python3 -m benchmarks.peers_hsdp",
+            file=sys.stderr,
+        )
         return 2
 
     def save(result: dict[str, Any]) -> None:

@@ -19,8 +19,13 @@ from benchmarks.peers import CASE_LABELS, SYSTEM_LABELS, job_seconds
 from benchmarks.render import IMG_DIR, _figure
 
 RESULTS = Path(__file__).resolve().parent / "results"
-COLORS = {"torchpass": "tab:blue", "torchft": "tab:green", "torchft-fixed": "tab:olive", "restart": "tab:orange",
-          "requeue": "tab:red"}
+COLORS = {
+    "torchpass": "tab:blue",
+    "torchft": "tab:green",
+    "torchft-fixed": "tab:olive",
+    "restart": "tab:orange",
+    "requeue": "tab:red",
+}
 FAULT_CASES = ("node_kill", "rank_kill", "drain")
 
 
@@ -48,8 +53,15 @@ def plot_recovery(r: Mapping[str, Any], path: Path) -> None:
             label = SYSTEM_LABELS[system] if x == 0 else None
             ax.bar(pos, value or 0.0, width, color=COLORS[system], label=label)
             note = "no step\nafter it" if value is None else f"{value:.1f}"
-            ax.annotate(note, (pos, value or 0.0),
-                        ha="center", va="bottom", fontsize="x-small", xytext=(0, 2), textcoords="offset points")
+            ax.annotate(
+                note,
+                (pos, value or 0.0),
+                ha="center",
+                va="bottom",
+                fontsize="x-small",
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
     ax.set_xticks(range(len(FAULT_CASES)), [CASE_LABELS[c].replace("2 nodes", "a node") for c in FAULT_CASES])
     ax.set_yscale("symlog", linthresh=10)
     ax.set_ylabel("seconds, fault to the next committed step")
@@ -69,7 +81,14 @@ def plot_completion(r: Mapping[str, Any], path: Path) -> None:
         ax.barh(y, seconds, color=COLORS[system])
         ax.barh(y, base, color="none", edgecolor="black", linestyle="--")
         end = "" if state == "COMPLETED" else f", {state}"
-        ax.annotate(f"{seconds:.0f} s ({seconds / base:.2f} x its fault-free {base:.0f} s){end}", (seconds, y), va="center", xytext=(4, 0), textcoords="offset points", fontsize="small")
+        ax.annotate(
+            f"{seconds:.0f} s ({seconds / base:.2f} x its fault-free {base:.0f} s){end}",
+            (seconds, y),
+            va="center",
+            xytext=(4, 0),
+            textcoords="offset points",
+            fontsize="small",
+        )
     ax.set_yticks(range(len(rows)), [SYSTEM_LABELS[s] for s, *_ in rows])
     ax.invert_yaxis()
     ax.set_xlabel("job time (s), 2 nodes powered off; dashed: the same system, no fault")
@@ -85,8 +104,11 @@ def plot_campaign(r: Mapping[str, Any], path: Path) -> None:
     fig = _figure(9, 3.6)
     ax = fig.add_subplot()
     width = 0.27
-    bars = (("share_live", "live, no lost progress", "tab:blue"), ("share_no_data_loss", "no data loss", "tab:green"),
-            ("share_bitwise_among_live", "bitwise equal (of the live)", "tab:gray"))
+    bars = (
+        ("share_live", "live, no lost progress", "tab:blue"),
+        ("share_no_data_loss", "no data loss", "tab:green"),
+        ("share_bitwise_among_live", "bitwise equal (of the live)", "tab:gray"),
+    )
     for i, (key, label, color) in enumerate(bars):
         values = [100 * (row[key] or 0.0) for row in rows]
         ax.bar([x + (i - 1) * width for x in range(len(rows))], values, width, color=color, label=label)
@@ -100,7 +122,9 @@ def plot_campaign(r: Mapping[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m benchmarks.peers_render", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python3 -m benchmarks.peers_render", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--peers", type=Path, default=RESULTS / "peers.json")
     p.add_argument("--campaign", type=Path, default=RESULTS / "campaign.json")
     a = p.parse_args(argv)

@@ -30,13 +30,24 @@ END = "<!-- suite:end -->"
 PHASES = ("detection", "decision", "rebuild", "agreement", "transfer", "first_step")
 PHASE_LABELS = ("detection", "decision", "group rebuild", "agreement", "transfer", "first step")
 FAULT_KINDS = ("unplanned", UNPLANNED_SHORT, "pre-emptive", "planned")
-COMPLETION_RUNS = (("no_fault", "no fault"), ("live", "live migration (tp run)"),
-                   ("restart", "checkpoint restart in the allocation (tp run)"),
-                   ("requeue", "sbatch --requeue + periodic checkpoints (plain DDP)"))
-SHORT_LABELS = {"no_fault": "no fault", "live": "live migration", "restart": "checkpoint restart\n(in the allocation)",
-                "requeue": "sbatch --requeue\n(plain DDP)"}
-TRANSFER_METHODS = (("raw-tcp", "raw TCP (baseline)"), ("socket+stream", "socket + stream"),
-                    ("gloo-raw", "gloo send/recv"), ("torch+stream", "torch (gloo) + stream: live migration"))
+COMPLETION_RUNS = (
+    ("no_fault", "no fault"),
+    ("live", "live migration (tp run)"),
+    ("restart", "checkpoint restart in the allocation (tp run)"),
+    ("requeue", "sbatch --requeue + periodic checkpoints (plain DDP)"),
+)
+SHORT_LABELS = {
+    "no_fault": "no fault",
+    "live": "live migration",
+    "restart": "checkpoint restart\n(in the allocation)",
+    "requeue": "sbatch --requeue\n(plain DDP)",
+}
+TRANSFER_METHODS = (
+    ("raw-tcp", "raw TCP (baseline)"),
+    ("socket+stream", "socket + stream"),
+    ("gloo-raw", "gloo send/recv"),
+    ("torch+stream", "torch (gloo) + stream: live migration"),
+)
 
 
 def _num(value: float | None, digits: int = 2) -> str:
@@ -54,19 +65,45 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 def overhead_table(r: Mapping[str, Any]) -> list[str]:
     runs, median = r["runs"], r["median_tokens_per_s"]
-    rows = [[f"run {i + 1}", _num(p["tokens_per_s"], 0), _num(t["tokens_per_s"], 0),
-             f"{100 * (1 - t['tokens_per_s'] / p['tokens_per_s']):+.1f} %",
-             _share(t.get("supervisor_core_percent")), _share(t.get("srun_core_percent"))]
-            for i, (p, t) in enumerate(zip(runs["plain"], runs["tp"]))]
-    rows.append(["**median**", f"**{median['plain']:.0f}**", f"**{median['tp']:.0f}**",
-                 f"**{r['overhead_percent']:+.1f} %**", _share(r.get("median_supervisor_core_percent")), ""])
+    rows = [
+        [
+            f"run {i + 1}",
+            _num(p["tokens_per_s"], 0),
+            _num(t["tokens_per_s"], 0),
+            f"{100 * (1 - t['tokens_per_s'] / p['tokens_per_s']):+.1f} %",
+            _share(t.get("supervisor_core_percent")),
+            _share(t.get("srun_core_percent")),
+        ]
+        for i, (p, t) in enumerate(zip(runs["plain"], runs["tp"], strict=False))
+    ]
+    rows.append(
+        [
+            "**median**",
+            f"**{median['plain']:.0f}**",
+            f"**{median['tp']:.0f}**",
+            f"**{r['overhead_percent']:+.1f} %**",
+            _share(r.get("median_supervisor_core_percent")),
+            "",
+        ]
+    )
     same = "the same" if r["same_final_loss"] else "NOT the same"
-    bitwise = ", ".join(f"{name}: {'yes' if ok else 'no'}" for name, ok in r["bitwise_equal_within_mode"].items())
-    return _table(("run", "plain srun + DDP (tokens/s)", "tp run, 1 hot spare (tokens/s)",
-                   "throughput lost under tp run", "tp run's supervisor (% of a core)",
-                   "its srun steps (% of a core)"), rows) + [
-        "", f"Final loss {same} in every run, plain and tp; bitwise equal final weights "
-            f"across the runs of a mode: {bitwise}."]
+    bitwise = ", ".join(
+        f"{name}: {'yes' if ok else 'no'}" for name, ok in r["bitwise_equal_within_mode"].items()
+    )
+    header = (
+        "run",
+        "plain srun + DDP (tokens/s)",
+        "tp run, 1 hot spare (tokens/s)",
+        "throughput lost under tp run",
+        "tp run's supervisor (% of a core)",
+        "its srun steps (% of a core)",
+    )
+    return [
+        *_table(header, rows),
+        "",
+        f"Final loss {same} in every run, plain and tp; bitwise equal final weights "
+        f"across the runs of a mode: {bitwise}.",
+    ]
 
 
 def _share(percent: float | None) -> str:
@@ -93,12 +130,31 @@ def recovery_table(r: Mapping[str, Any]) -> list[str]:
             continue
         f = _first_fault(run)
         phases = f.get("phases", {})
-        rows.append([kind, _num(job_seconds(run), 1), f"{job_seconds(run) - base:+.1f}",
-                     str(f.get("resolution") or "-"), *[_num(phases.get(p)) for p in PHASES],
-                     _num(phases.get("total")), _steps(f.get("lost_steps")),
-                     _steps(f.get("recomputed_steps"))])
-    return _table(("fault", "job time (s)", "over no fault (s)", "resolution", *PHASE_LABELS,
-                   "total", "steps lost", "recomputed"), rows)
+        rows.append(
+            [
+                kind,
+                _num(job_seconds(run), 1),
+                f"{job_seconds(run) - base:+.1f}",
+                str(f.get("resolution") or "-"),
+                *[_num(phases.get(p)) for p in PHASES],
+                _num(phases.get("total")),
+                _steps(f.get("lost_steps")),
+                _steps(f.get("recomputed_steps")),
+            ]
+        )
+    return _table(
+        (
+            "fault",
+            "job time (s)",
+            "over no fault (s)",
+            "resolution",
+            *PHASE_LABELS,
+            "total",
+            "steps lost",
+            "recomputed",
+        ),
+        rows,
+    )
 
 
 def _steps(value: int | None) -> str:
@@ -119,10 +175,19 @@ def completion_rows(r: Mapping[str, Any]) -> list[dict[str, Any]]:
             faults = run.get("faults") or []
             lost = _sum_known(f.get("lost_steps") for f in faults)
             recomputed = _sum_known(f.get("recomputed_steps") for f in faults)
-        out.append({"key": key, "label": label, "seconds": job_seconds(run),
-                    "excess": job_seconds(run) - base, "faults": len(run.get("injected", [])),
-                    "lost": lost, "recomputed": recomputed, "state": run["state"],
-                    "resolutions": sorted({str(f.get("resolution")) for f in run.get("faults") or []})})
+        out.append(
+            {
+                "key": key,
+                "label": label,
+                "seconds": job_seconds(run),
+                "excess": job_seconds(run) - base,
+                "faults": len(run.get("injected", [])),
+                "lost": lost,
+                "recomputed": recomputed,
+                "state": run["state"],
+                "resolutions": sorted({str(f.get("resolution")) for f in run.get("faults") or []}),
+            }
+        )
     return out
 
 
@@ -132,17 +197,37 @@ def _sum_known(values: Any) -> int | None:
 
 
 def completion_table(r: Mapping[str, Any]) -> list[str]:
-    rows = [[row["label"], str(row["faults"]), row["state"], _num(row["seconds"], 1),
-             "-" if row["key"] == "no_fault" else f"{row['excess']:+.1f}",
-             _steps(row["lost"]) if row["key"] != "no_fault" else "-",
-             _steps(row["recomputed"]) if row["key"] != "no_fault" else "-"]
-            for row in completion_rows(r)]
-    lines = _table(("run", "nodes killed", "end", "job time (s)", "over no fault (s)",
-                    "committed steps lost", "steps computed again"), rows)
+    rows = [
+        [
+            row["label"],
+            str(row["faults"]),
+            row["state"],
+            _num(row["seconds"], 1),
+            "-" if row["key"] == "no_fault" else f"{row['excess']:+.1f}",
+            _steps(row["lost"]) if row["key"] != "no_fault" else "-",
+            _steps(row["recomputed"]) if row["key"] != "no_fault" else "-",
+        ]
+        for row in completion_rows(r)
+    ]
+    lines = _table(
+        (
+            "run",
+            "nodes killed",
+            "end",
+            "job time (s)",
+            "over no fault (s)",
+            "committed steps lost",
+            "steps computed again",
+        ),
+        rows,
+    )
     requeue = r.get("requeue")
     if requeue:
-        lines += ["", f"The requeued job started {len(requeue['starts_at_steps'])} times, at steps "
-                      f"{', '.join(map(str, requeue['starts_at_steps']))} (its newest checkpoints)."]
+        lines += [
+            "",
+            f"The requeued job started {len(requeue['starts_at_steps'])} times, at steps "
+            f"{', '.join(map(str, requeue['starts_at_steps']))} (its newest checkpoints).",
+        ]
     return lines
 
 
@@ -162,11 +247,23 @@ def transfer_table(r: Mapping[str, Any]) -> list[str]:
         if method in by:
             rows.append([label, *[_num(by[method].get(s, {}).get("mb_per_s"), 0) for s in sizes]])
     if "raw-tcp" in by and "torch+stream" in by:
-        rows.append(["torch + stream / raw TCP", *[
-            f"{by['torch+stream'][s]['mb_per_s'] / by['raw-tcp'][s]['mb_per_s']:.0%}"
-            if s in by["torch+stream"] and s in by["raw-tcp"] else "-" for s in sizes]])
-        rows.append(["torch + stream: seconds", *[_num(by["torch+stream"].get(s, {}).get("seconds"), 3)
-                                                 for s in sizes]])
+        rows.append(
+            [
+                "torch + stream / raw TCP",
+                *[
+                    f"{by['torch+stream'][s]['mb_per_s'] / by['raw-tcp'][s]['mb_per_s']:.0%}"
+                    if s in by["torch+stream"] and s in by["raw-tcp"]
+                    else "-"
+                    for s in sizes
+                ],
+            ]
+        )
+        rows.append(
+            [
+                "torch + stream: seconds",
+                *[_num(by["torch+stream"].get(s, {}).get("seconds"), 3) for s in sizes],
+            ]
+        )
     return _table(("MB/s", *[_size(s) for s in sizes]), rows)
 
 
@@ -177,17 +274,23 @@ def _size(mb: int) -> str:
 def tables(results: Mapping[str, Any]) -> str:
     """Every section present in ``results``, as markdown."""
     env = results.get("environment", {})
-    lines = [f"Run of {env.get('date', '?')} on {env.get('host', '?')} ({env.get('cpus', '?')} CPUs), "
-             f"sizing `{env.get('sizing', '?')}`; plots in `docs/img/bench-*.png`.", ""]
-    sections = (("overhead", "Steady-state overhead", overhead_table, "bench-overhead.png"),
-                ("recovery", "Recovery-time split, one fault of each kind", recovery_table,
-                 "bench-recovery.png"),
-                ("detection", "Detection and recovery by kind of fault, current and previous settings",
-                 detection.table, None),
-                ("completion", "Job completion time with node failures", completion_table,
-                 "bench-completion.png"),
-                ("transfer", "State transfer against raw TCP, c4 to c5", transfer_table,
-                 "bench-transfer.png"))
+    lines = [
+        f"Run of {env.get('date', '?')} on {env.get('host', '?')} ({env.get('cpus', '?')} CPUs), "
+        f"sizing `{env.get('sizing', '?')}`; plots in `docs/img/bench-*.png`.",
+        "",
+    ]
+    sections = (
+        ("overhead", "Steady-state overhead", overhead_table, "bench-overhead.png"),
+        ("recovery", "Recovery-time split, one fault of each kind", recovery_table, "bench-recovery.png"),
+        (
+            "detection",
+            "Detection and recovery by kind of fault, current and previous settings",
+            detection.table,
+            None,
+        ),
+        ("completion", "Job completion time with node failures", completion_table, "bench-completion.png"),
+        ("transfer", "State transfer against raw TCP, c4 to c5", transfer_table, "bench-transfer.png"),
+    )
     for key, title, render, image in sections:
         if key in results:
             lines += [f"### {title}", "", *render(results[key]), ""]
@@ -220,12 +323,18 @@ def plot_overhead(r: Mapping[str, Any], path: Path) -> None:
     fig = _figure(6, 3.6)
     ax = fig.add_subplot()
     names = (("plain", "plain srun + DDP"), ("tp", "tp run (1 hot spare)"))
-    for i, (key, label) in enumerate(names):
+    for i, (key, _label) in enumerate(names):
         values = [run["tokens_per_s"] for run in r["runs"][key]]
         ax.bar(i, statistics.median(values), color=("tab:gray", "tab:blue")[i], width=0.6)
         ax.scatter([i] * len(values), values, color="black", zorder=3, s=14, label="runs" if i else None)
-        ax.annotate(f"{statistics.median(values):.0f}", (i, statistics.median(values)),
-                    ha="center", va="bottom", xytext=(0, 3), textcoords="offset points")
+        ax.annotate(
+            f"{statistics.median(values):.0f}",
+            (i, statistics.median(values)),
+            ha="center",
+            va="bottom",
+            xytext=(0, 3),
+            textcoords="offset points",
+        )
     ax.set_xticks([0, 1], [label for _, label in names])
     ax.set_ylabel("tokens per second (median)")
     ax.set_title(f"Steady-state throughput: {r['overhead_percent']:+.1f} % under tp run")
@@ -241,7 +350,7 @@ def plot_recovery(r: Mapping[str, Any], path: Path) -> None:
     for y, kind in enumerate(kinds):
         phases = _first_fault(r[kind]).get("phases", {})
         left = 0.0
-        for phase, label, color in zip(PHASES, PHASE_LABELS, colors):
+        for phase, label, color in zip(PHASES, PHASE_LABELS, colors, strict=False):
             width = phases.get(phase) or 0.0
             ax.barh(y, width, left=left, color=color, label=label if y == 0 else None)
             left += width
@@ -297,10 +406,12 @@ def plot_transfer(r: Mapping[str, Any], path: Path) -> None:
     fig.savefig(path)
 
 
-PLOTS = (("overhead", "bench-overhead.png", plot_overhead),
-         ("recovery", "bench-recovery.png", plot_recovery),
-         ("completion", "bench-completion.png", plot_completion),
-         ("transfer", "bench-transfer.png", plot_transfer))
+PLOTS = (
+    ("overhead", "bench-overhead.png", plot_overhead),
+    ("recovery", "bench-recovery.png", plot_recovery),
+    ("completion", "bench-completion.png", plot_completion),
+    ("transfer", "bench-transfer.png", plot_transfer),
+)
 
 
 def write_plots(results: Mapping[str, Any], img_dir: Path = IMG_DIR) -> list[Path]:
@@ -323,7 +434,9 @@ def render(results: Mapping[str, Any], doc: Path = DOC, img_dir: Path = IMG_DIR)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Redraw docs/benchmarks.md's tables and the plots from a suite JSON.")
+    p = argparse.ArgumentParser(
+        description="Redraw docs/benchmarks.md's tables and the plots from a suite JSON."
+    )
     p.add_argument("results", type=Path, help="the JSON benchmarks/suite.py wrote")
     args = p.parse_args(argv)
     print(render(json.loads(args.results.read_text())))

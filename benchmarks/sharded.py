@@ -41,8 +41,22 @@ from torchpass_slurm.cli.report import load_report
 
 HSDP_SCRIPT = "/src/sbatch-examples/tiny_gpt_hsdp_tp.sbatch"
 #: The model of every run: 4 layers of d_model 128 (about 0.9 M parameters).
-MODEL = ("--d-model", "128", "--n-layers", "4", "--context", "32", "--batch-size", "8", "--seed", "1234",
-         "--log-every", "4", "--step-sleep", "0.3")
+MODEL = (
+    "--d-model",
+    "128",
+    "--n-layers",
+    "4",
+    "--context",
+    "32",
+    "--batch-size",
+    "8",
+    "--seed",
+    "1234",
+    "--log-every",
+    "4",
+    "--step-sleep",
+    "0.3",
+)
 SPLIT = ("detection", "decision", "rebuild", "agreement", "transfer", "first_step", "total")
 
 
@@ -75,27 +89,39 @@ def one(name: str, script: str, args: list[str], fault: jobs.Injector, at: int) 
     job = jobs.run(submit(script, args), jobs.tp_progress, [(at, fault)])
     jobs.restart_nodes([f["node"] for f in job.faults if f["kind"] == "kill"])
     report = job_json(load_report(jobs.CLUSTER.host_path(job.folder)))
-    events = [json.loads(line) for line in
-              job.event_log().read_text().splitlines()]
+    events = [json.loads(line) for line in job.event_log().read_text().splitlines()]
     transfers = [e for e in events if e["kind"] == "transfer_done"]
     full = full_state_bytes(job)
     moved = sum(int(t["bytes"]) for t in transfers)
     faults = report.get("faults", [])
     split = faults[0].get("phases", {}) if faults else {}
-    return {"name": name, "job": job.job_id, "state": job.state, "seconds": round(job.seconds, 2),
-            "full_state_bytes": full, "bytes_moved": moved, "share_moved": round(moved / full, 4),
-            "transfers": transfers, "resolution": faults[0].get("resolution") if faults else None,
-            "split": split, "faults": faults}
+    return {
+        "name": name,
+        "job": job.job_id,
+        "state": job.state,
+        "seconds": round(job.seconds, 2),
+        "full_state_bytes": full,
+        "bytes_moved": moved,
+        "share_moved": round(moved / full, 4),
+        "transfers": transfers,
+        "resolution": faults[0].get("resolution") if faults else None,
+        "split": split,
+        "faults": faults,
+    }
 
 
 def render(result: dict[str, Any]) -> str:
-    rows = ["| layout | fault | resolution | bytes moved | of the full state | "
-            + " | ".join(SPLIT) + " |", "|---|---|---|---|---|" + "---|" * len(SPLIT)]
+    rows = [
+        "| layout | fault | resolution | bytes moved | of the full state | " + " | ".join(SPLIT) + " |",
+        "|---|---|---|---|---|" + "---|" * len(SPLIT),
+    ]
     for r in result["runs"]:
         split = r["split"] or {}
         cells = [f"{split[k]:.2f}" if isinstance(split.get(k), (int, float)) else "-" for k in SPLIT]
-        rows.append(f"| {r['name']} | {r['fault']} | {r['resolution']} | {r['bytes_moved']:,} | "
-                    f"{100 * r['share_moved']:.1f} % | " + " | ".join(cells) + " |")
+        rows.append(
+            f"| {r['name']} | {r['fault']} | {r['resolution']} | {r['bytes_moved']:,} | "
+            f"{100 * r['share_moved']:.1f} % | " + " | ".join(cells) + " |"
+        )
     return "\n".join(rows)
 
 
@@ -103,9 +129,20 @@ def transports() -> dict[str, Any]:
     jobs.wait_idle()
     jobs.progress("sharded: transports between c4 and c5 (srun --mpi=pmi2)")
     folder = jobs.new_folder("transfer")
-    printed = jobs.on("ctl", "srun", "-N2", "-n2", "--nodelist=c4,c5", "--mpi=pmi2", "python3",
-                      "/src/benchmarks/transfer_bench.py", "--sizes", "10,100,500",
-                      "--json", f"{folder}/transfer.json")
+    printed = jobs.on(
+        "ctl",
+        "srun",
+        "-N2",
+        "-n2",
+        "--nodelist=c4,c5",
+        "--mpi=pmi2",
+        "python3",
+        "/src/benchmarks/transfer_bench.py",
+        "--sizes",
+        "10,100,500",
+        "--json",
+        f"{folder}/transfer.json",
+    )
     result = jobs.read_json(jobs.CLUSTER.host_path(f"{folder}/transfer.json"))
     result["printed"] = "\n".join(line for line in printed.splitlines() if "UCX  WARN" not in line)
     return result
@@ -114,8 +151,11 @@ def transports() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if devcluster.FLAVOR.name != "bookworm":
-        print("benchmarks.sharded runs on the bookworm dev cluster (FSDP2 needs torch 2.13): "
-              "TP_CLUSTER_FLAVOR=bookworm python3 -m benchmarks.sharded", file=sys.stderr)
+        print(
+            "benchmarks.sharded runs on the bookworm dev cluster (FSDP2 needs torch 2.13): "
+            "TP_CLUSTER_FLAVOR=bookworm python3 -m benchmarks.sharded",
+            file=sys.stderr,
+        )
         return 2
     cluster = jobs.CLUSTER
     started = not cluster.is_up()
@@ -127,15 +167,19 @@ def main(argv: list[str] | None = None) -> int:
         kill, drain = jobs.kill_node(jobs.tp_victim), jobs.drain_node(jobs.tp_victim)
         runs = [
             {**one("ddp", jobs.TP_SCRIPT, train, kill, at), "fault": "node powered off"},
-            {**one("hsdp 2x2", HSDP_SCRIPT, [*train, "--mesh", "2x2"], kill, at),
-             "fault": "node powered off"},
+            {
+                **one("hsdp 2x2", HSDP_SCRIPT, [*train, "--mesh", "2x2"], kill, at),
+                "fault": "node powered off",
+            },
             {**one("fsdp 1x4", HSDP_SCRIPT, [*train, "--mesh", "1x4"], drain, at), "fault": "admin drain"},
         ]
         result: dict[str, Any] = {
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
             "host": {"machine": platform.machine(), "cpus": os.cpu_count()},
             "slurm": cluster.exec("ctl", "sinfo", "--version").stdout.strip(),
-            "train_args": train, "fault_at_step": at, "runs": runs,
+            "train_args": train,
+            "fault_at_step": at,
+            "runs": runs,
         }
         print(render(result))
         if not args.no_transfer:

@@ -30,48 +30,83 @@ from typing import Any
 from benchmarks import campaign, detection, jobs, long_life, peers, render, runs
 from scripts.devcluster import ClusterError
 
-PARTS = {"overhead": runs.overhead, "recovery": runs.recovery, "detection": detection.detection,
-         "completion": runs.completion, "transfer": runs.transfer}
+PARTS = {
+    "overhead": runs.overhead,
+    "recovery": runs.recovery,
+    "detection": detection.detection,
+    "completion": runs.completion,
+    "transfer": runs.transfer,
+}
 #: Parts run only when asked for with --only (peers needs the bookworm flavor: torchft needs torch >= 2.7).
 OPTIONAL_PARTS = {"peers": lambda size: peers.peers()}
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "suite.json"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python3 -m benchmarks.suite",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", default=",".join(PARTS),
-                   help=f"comma-separated parts to run (default all: {','.join(PARTS)})")
-    p.add_argument("--quick", action="store_true",
-                   help="a small model and short runs: checks the suite works (numbers mean little)")
-    p.add_argument("--failures", type=int, choices=(1, 2), default=2,
-                   help="node failures in the completion runs (default 2; the cluster has 5 nodes: "
-                        "3 active and one spare per failure)")
+    p = argparse.ArgumentParser(prog="python3 -m benchmarks.suite", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--only",
+        default=",".join(PARTS),
+        help=f"comma-separated parts to run (default all: {','.join(PARTS)})",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small model and short runs: checks the suite works (numbers mean little)",
+    )
+    p.add_argument(
+        "--failures",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="node failures in the completion runs (default 2; the cluster has 5 nodes: "
+        "3 active and one spare per failure)",
+    )
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
     p.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md and docs/img")
-    p.add_argument("--campaign", type=int, metavar="N", nargs="?", const=50, default=None,
-                   help="instead of the parts: a fault campaign of N faults (default 50) drawn from a seeded "
-                        "generator (benchmarks/campaign.py); results in benchmarks/results/campaign.json")
+    p.add_argument(
+        "--campaign",
+        type=int,
+        metavar="N",
+        nargs="?",
+        const=50,
+        default=None,
+        help="instead of the parts: a fault campaign of N faults (default 50) drawn from a seeded "
+        "generator (benchmarks/campaign.py); results in benchmarks/results/campaign.json",
+    )
     p.add_argument("--campaign-seed", type=int, default=14, help="seed of the campaign's faults (default 14)")
-    p.add_argument("--faults-per-job", type=int, metavar="K", default=None,
-                   help="with --campaign: long-life jobs of K faults each on one spare, the pool refilled "
-                        "between them (benchmarks/long_life.py); results in benchmarks/results/long-life.json")
+    p.add_argument(
+        "--faults-per-job",
+        type=int,
+        metavar="K",
+        default=None,
+        help="with --campaign: long-life jobs of K faults each on one spare, the pool refilled "
+        "between them (benchmarks/long_life.py); results in benchmarks/results/long-life.json",
+    )
     args = p.parse_args(argv)
     if args.faults_per_job is not None and (not args.campaign or args.faults_per_job < 1):
         p.error("--faults-per-job K needs --campaign N, and K of at least 1")
     args.parts = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in args.parts if s not in PARTS and s not in OPTIONAL_PARTS]
     if unknown or not args.parts:
-        p.error(f"--only: unknown part(s) {', '.join(unknown) or '(none given)'}; "
-                f"the parts are {', '.join([*PARTS, *OPTIONAL_PARTS])}")
+        p.error(
+            f"--only: unknown part(s) {', '.join(unknown) or '(none given)'}; "
+            f"the parts are {', '.join([*PARTS, *OPTIONAL_PARTS])}"
+        )
     return args
 
 
 def environment(sizing: str) -> dict[str, Any]:
     torch = jobs.on("ctl", "python3", "-c", "import torch; print(torch.__version__)").strip()
     slurm = jobs.on("ctl", "sinfo", "--version").strip()
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
-            "cpus": os.cpu_count(), "node_torch": torch, "slurm": slurm, "sizing": sizing}
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "node_torch": torch,
+        "slurm": slurm,
+        "sizing": sizing,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

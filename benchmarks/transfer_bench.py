@@ -33,19 +33,25 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-from torchpass_slurm.rank.runtime import make_tcp_store  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from torchpass_slurm.transfer import (SocketListener, SocketTransport, TorchTransport,  # noqa: E402
-                                      recv_state, send_state)
-from torchpass_slurm.transfer.seal import Seal  # noqa: E402
+from torchpass_slurm.rank.runtime import make_tcp_store
+from torchpass_slurm.transfer import (
+    SocketListener,
+    SocketTransport,
+    TorchTransport,
+    recv_state,
+    send_state,
+)
+from torchpass_slurm.transfer.seal import Seal
 
 MB = 1_000_000
 TIMEOUT = timedelta(seconds=300)
@@ -75,7 +81,9 @@ def slurm_rank() -> tuple[int, str] | None:
         return None
     import hostlist  # python-hostlist, a dependency of torchpass-slurm
 
-    nodes = hostlist.expand_hostlist(os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"])
+    nodes = hostlist.expand_hostlist(
+        os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"]
+    )
     return int(os.environ["SLURM_PROCID"]), nodes[0]
 
 
@@ -140,8 +148,9 @@ def make_state(nbytes: int) -> dict[str, Any]:
     return {"model": {f"layer{i}.weight": torch.full((per,), float(i)) for i in range(8)}, "step": 1}
 
 
-def bench_stream(transport: Any, rank: int, state: dict[str, Any] | None, into: Any,
-                 seal: Seal | None = None) -> float | None:
+def bench_stream(
+    transport: Any, rank: int, state: dict[str, Any] | None, into: Any, seal: Seal | None = None
+) -> float | None:
     if rank == 0:
         began = time.perf_counter()
         recv_state(transport, timeout=TIMEOUT, into=into, seal=seal)
@@ -197,8 +206,14 @@ def bench_mpi_raw(transport: Any, rank: int, nbytes: int) -> float | None:
 # --- driver ------------------------------------------------------------------------------------
 
 
-def measure(peer: Peer, name: str, size_mb: int, repeat: int, fn: Callable[[], float | None],
-            results: list[dict[str, Any]]) -> None:
+def measure(
+    peer: Peer,
+    name: str,
+    size_mb: int,
+    repeat: int,
+    fn: Callable[[], float | None],
+    results: list[dict[str, Any]],
+) -> None:
     best = None
     for _ in range(repeat):
         peer.barrier()
@@ -206,9 +221,45 @@ def measure(peer: Peer, name: str, size_mb: int, repeat: int, fn: Callable[[], f
         if took is not None:
             best = took if best is None else min(best, took)
     if peer.rank == 0 and best is not None:
-        row = {"method": name, "size_mb": size_mb, "seconds": round(best, 4), "mb_per_s": round(size_mb / best, 1)}
+        row = {
+            "method": name,
+            "size_mb": size_mb,
+            "seconds": round(best, 4),
+            "mb_per_s": round(size_mb / best, 1),
+        }
         results.append(row)
         print(f"{name:<14} {size_mb:>6} MB {best:>8.3f} s {size_mb / best:>8.0f} MB/s", flush=True)
+
+
+def measure_size(
+    peer: Peer,
+    size_mb: int,
+    repeat: int,
+    links: tuple[Any, Any, Any],
+    results: list[dict[str, Any]],
+) -> None:
+    """Every method at one size; the states live only for this call."""
+    pg, sock, mpi = links
+    rank = peer.rank
+    nbytes = size_mb * MB
+    state = make_state(nbytes) if rank == 1 else None
+    into = make_state(nbytes) if rank == 0 else None  # a spare's preallocated model
+    torch_t = TorchTransport(1 - rank, pg)
+    methods: list[tuple[str, Callable[[], float | None]]] = [
+        ("raw-tcp", lambda: bench_raw_tcp(peer, nbytes)),
+        ("socket+stream", lambda: bench_stream(sock, rank, state, into)),
+        ("socket+sealed", lambda: bench_stream(sock, rank, state, into, SEAL)),
+        ("gloo-raw", lambda: bench_gloo_raw(pg, rank, nbytes)),
+        ("torch+stream", lambda: bench_stream(torch_t, rank, state, into)),
+        ("torch+sealed", lambda: bench_stream(torch_t, rank, state, into, SEAL)),
+    ]
+    if mpi is not None:
+        methods += [
+            ("mpi-raw", lambda: bench_mpi_raw(mpi, rank, nbytes)),
+            ("mpi+stream", lambda: bench_stream(mpi, rank, state, into)),
+        ]
+    for name, fn in methods:
+        measure(peer, name, size_mb, repeat, fn, results)
 
 
 def run_rank(args: argparse.Namespace, rank: int, master: str) -> None:
@@ -225,26 +276,12 @@ def run_rank(args: argparse.Namespace, rank: int, master: str) -> None:
     if rank == 0:
         print(f"{'method':<14} {'size':>9} {'time':>10} {'throughput':>13}", flush=True)
     for size_mb in sizes:
-        nbytes = size_mb * MB
-        state = make_state(nbytes) if rank == 1 else None
-        into = make_state(nbytes) if rank == 0 else None  # a spare's preallocated model
-        measure(peer, "raw-tcp", size_mb, args.repeat, lambda: bench_raw_tcp(peer, nbytes), results)
-        measure(peer, "socket+stream", size_mb, args.repeat, lambda: bench_stream(sock, rank, state, into), results)
-        measure(peer, "socket+sealed", size_mb, args.repeat,
-                lambda: bench_stream(sock, rank, state, into, SEAL), results)
-        measure(peer, "gloo-raw", size_mb, args.repeat, lambda: bench_gloo_raw(pg, rank, nbytes), results)
-        torch_t = TorchTransport(1 - rank, pg)
-        measure(peer, "torch+stream", size_mb, args.repeat,
-                lambda: bench_stream(torch_t, rank, state, into), results)
-        measure(peer, "torch+sealed", size_mb, args.repeat,
-                lambda: bench_stream(torch_t, rank, state, into, SEAL), results)
-        if mpi is not None:
-            measure(peer, "mpi-raw", size_mb, args.repeat, lambda: bench_mpi_raw(mpi, rank, nbytes), results)
-            measure(peer, "mpi+stream", size_mb, args.repeat, lambda: bench_stream(mpi, rank, state, into), results)
-        del state, into
+        measure_size(peer, size_mb, args.repeat, (pg, sock, mpi), results)
     peer.barrier()
     if rank == 0 and args.json:
-        Path(args.json).write_text(json.dumps({"environment": environment(master), "results": results}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"environment": environment(master), "results": results}, indent=2)
+        )
         print(f"wrote {args.json}")
 
 
@@ -255,10 +292,16 @@ def _mpi_importable() -> bool:
 
 
 def environment(master: str) -> dict[str, Any]:
-    env: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                           "where": "host loopback" if master == "127.0.0.1" else f"two nodes (master {master})",
-                           "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                           "torch": torch.__version__, "chunk_bytes": 4 << 20, "digest": "crc32"}
+    env: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "where": "host loopback" if master == "127.0.0.1" else f"two nodes (master {master})",
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "chunk_bytes": 4 << 20,
+        "digest": "crc32",
+    }
     if _mpi_importable():
         from mpi4py import MPI
 

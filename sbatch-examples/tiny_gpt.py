@@ -87,8 +87,9 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """Token + position embeddings, ``n_layers`` blocks, a final norm and an LM head."""
 
-    def __init__(self, vocab: int, d_model: int, n_layers: int, n_heads: int, context: int,
-                 dropout: float) -> None:
+    def __init__(
+        self, vocab: int, d_model: int, n_layers: int, n_heads: int, context: int, dropout: float
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(context, d_model)
@@ -117,8 +118,9 @@ def sample(seed: int, index: int, length: int, vocab: int) -> torch.Tensor:
     return torch.where(noisy, torch.randint(vocab, (length,), generator=g), seq)
 
 
-def batch(seed: int, step: int, rank: int, world: int, batch_size: int, context: int,
-          vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    seed: int, step: int, rank: int, world: int, batch_size: int, context: int, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets of ``rank`` at ``step`` (explicit, DistributedSampler-like sharding)."""
     first = (step * world + rank) * batch_size
     rows = torch.stack([sample(seed, first + i, context + 1, vocab) for i in range(batch_size)])
@@ -132,8 +134,7 @@ class FilteredLoader:
     :meth:`state_dict` says where it is: no replica holds it, and a spare that takes the rank
     must get it (``ElasticTrainer(rank_state=...)``). Its state is JSON: ``{"position": n}``."""
 
-    def __init__(self, seed: int, rank: int, world: int, batch_size: int, context: int,
-                 vocab: int) -> None:
+    def __init__(self, seed: int, rank: int, world: int, batch_size: int, context: int, vocab: int) -> None:
         self.seed, self.rank, self.world = seed, rank, world
         self.batch_size, self.context, self.vocab = batch_size, context, vocab
         self.position = 0  # how many samples of this rank's stream were read (kept or dropped)
@@ -208,9 +209,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=50, help="total optimizer steps (default 50)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step (default 8)")
-    p.add_argument("--ckpt-every", type=int, default=10, help="checkpoint every N steps; 0 = never (default 10)")
-    p.add_argument("--ckpt-dir", default=None,
-                   help="checkpoint folder (default $TORCHPASS_RUN_DIR/checkpoints; none if unset)")
+    p.add_argument(
+        "--ckpt-every", type=int, default=10, help="checkpoint every N steps; 0 = never (default 10)"
+    )
+    p.add_argument(
+        "--ckpt-dir",
+        default=None,
+        help="checkpoint folder (default $TORCHPASS_RUN_DIR/checkpoints; none if unset)",
+    )
     p.add_argument("--ckpt-keep", type=int, default=3, help="checkpoints to keep (default 3)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--step-sleep", type=float, default=0.0, help="sleep seconds per step, to stretch a run")
@@ -222,17 +228,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--threads", type=int, default=int(os.environ.get("SLURM_CPUS_PER_TASK", "1")),
-                   help="torch CPU threads (default $SLURM_CPUS_PER_TASK or 1; results depend on it)")
-    p.add_argument("--fail-at-step", type=int, default=None,
-                   help="fault injection: exit with status 17 once this many steps are done")
-    p.add_argument("--hang-on-sigusr1", action="store_true",
-                   help="fault injection: after SIGUSR1 the training thread hangs at its next step for good "
-                        "while its heartbeat thread goes on (a rank stuck in its data loader)")
-    p.add_argument("--plain-ddp", action="store_true",
-                   help="train with plain torch DDP, without torchpass (the baseline of the benchmarks)")
-    p.add_argument("--warmup-steps", type=int, default=3,
-                   help="steps left out of the throughput line (default 3)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=int(os.environ.get("SLURM_CPUS_PER_TASK", "1")),
+        help="torch CPU threads (default $SLURM_CPUS_PER_TASK or 1; results depend on it)",
+    )
+    p.add_argument(
+        "--fail-at-step",
+        type=int,
+        default=None,
+        help="fault injection: exit with status 17 once this many steps are done",
+    )
+    p.add_argument(
+        "--hang-on-sigusr1",
+        action="store_true",
+        help="fault injection: after SIGUSR1 the training thread hangs at its next step for good "
+        "while its heartbeat thread goes on (a rank stuck in its data loader)",
+    )
+    p.add_argument(
+        "--plain-ddp",
+        action="store_true",
+        help="train with plain torch DDP, without torchpass (the baseline of the benchmarks)",
+    )
+    p.add_argument(
+        "--warmup-steps", type=int, default=3, help="steps left out of the throughput line (default 3)"
+    )
     return p.parse_args(argv)
 
 
@@ -266,12 +287,20 @@ class Throughput:
         if self.first is None or self.last is None or self.last[0] <= self.first[0]:
             return "throughput unknown (no step after the warm-up)"
         steps, seconds = self.last[0] - self.first[0], self.last[1] - self.first[1]
-        return (f"throughput steps={steps} seconds={seconds:.3f} "
-                f"tokens_per_s={steps * self.tokens_per_step / seconds:.1f}")
+        return (
+            f"throughput steps={steps} seconds={seconds:.3f} "
+            f"tokens_per_s={steps * self.tokens_per_step / seconds:.1f}"
+        )
 
 
-def after_step(args: argparse.Namespace, done: int, loss: torch.Tensor, meter: Throughput,
-               state: dict[str, checkpoint.TrainState], ckpt_dir: Path | None) -> None:
+def after_step(
+    args: argparse.Namespace,
+    done: int,
+    loss: torch.Tensor,
+    meter: Throughput,
+    state: dict[str, checkpoint.TrainState],
+    ckpt_dir: Path | None,
+) -> None:
     """After a committed step: time it, print the loss every --log-every steps, checkpoint."""
     meter.commit(done)
     if done % args.log_every == 0 or done == args.steps:
@@ -282,14 +311,22 @@ def after_step(args: argparse.Namespace, done: int, loss: torch.Tensor, meter: T
         checkpoint.save(state, ckpt_dir, done, keep=args.ckpt_keep)
 
 
-def print_end(args: argparse.Namespace, loss: torch.Tensor, meter: Throughput, model: nn.Module,
-              opt: torch.optim.Optimizer) -> None:
+def print_end(
+    args: argparse.Namespace,
+    loss: torch.Tensor,
+    meter: Throughput,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+) -> None:
     """Rank 0's last lines: the throughput, then the final loss and the hashes of the state."""
     final_loss = mean_over_ranks(loss, meter.world)
     if meter.rank == 0:
         print(meter.line(), flush=True)
-        print(f"done step={args.steps} loss={final_loss:.4f} params_sha256={params_sha256(model)} "
-              f"optim_sha256={optim_sha256(opt)}", flush=True)
+        print(
+            f"done step={args.steps} loss={final_loss:.4f} params_sha256={params_sha256(model)} "
+            f"optim_sha256={optim_sha256(opt)}",
+            flush=True,
+        )
 
 
 def build(args: argparse.Namespace) -> tuple[TinyGPT, torch.optim.Optimizer]:
@@ -333,8 +370,11 @@ def plain_main(args: argparse.Namespace) -> int:
     ckpt_dir = checkpoint_dir(args)
     start = (checkpoint.load_latest(state, ckpt_dir) if ckpt_dir else None) or 0
     if rank == 0:
-        print(f"model: {sum(p.numel() for p in model.parameters())} parameters, world size {world}, "
-              f"plain DDP, starting at step {start}", flush=True)
+        print(
+            f"model: {sum(p.numel() for p in model.parameters())} parameters, world size {world}, "
+            f"plain DDP, starting at step {start}",
+            flush=True,
+        )
     meter = Throughput(args, rank, world)
     loss = torch.tensor(float("nan"))
     for step in range(start, args.steps):
@@ -428,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer.close()
     rt.close()
     return 0
+
 
 if __name__ == "__main__":
     leave(main())  # not sys.exit: torch's gloo threads may abort the interpreter's shutdown

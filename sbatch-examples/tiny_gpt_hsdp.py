@@ -55,13 +55,25 @@ def mesh_layout(text: str) -> MeshLayout:
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--mesh", type=mesh_layout, default=mesh_layout("2x2"),
-                   help="REPLICASxSHARDS (default 2x2: HSDP; 1x4: pure FSDP)")
-    p.add_argument("--loader", choices=("step", "stateful"), default="step",
-                   help="step: the data position is the step (default); stateful: a filtered "
-                        "per-rank stream whose position is rank state")
-    p.add_argument("--sample-log", type=Path, help="append each committed step's sample ids here "
-                   "(DIR/samples-rank<R>.jsonl; a relative DIR is in $TORCHPASS_RUN_DIR when set)")
+    p.add_argument(
+        "--mesh",
+        type=mesh_layout,
+        default=mesh_layout("2x2"),
+        help="REPLICASxSHARDS (default 2x2: HSDP; 1x4: pure FSDP)",
+    )
+    p.add_argument(
+        "--loader",
+        choices=("step", "stateful"),
+        default="step",
+        help="step: the data position is the step (default); stateful: a filtered "
+        "per-rank stream whose position is rank state",
+    )
+    p.add_argument(
+        "--sample-log",
+        type=Path,
+        help="append each committed step's sample ids here "
+        "(DIR/samples-rank<R>.jsonl; a relative DIR is in $TORCHPASS_RUN_DIR when set)",
+    )
     known, rest = p.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         p.print_help()
@@ -74,8 +86,9 @@ def builder(args: argparse.Namespace) -> Any:
 
     def build(mesh: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(args.seed)  # identical initial weights on every rank, every epoch
-        model = tiny_gpt.TinyGPT(args.vocab, args.d_model, args.n_layers, args.n_heads, args.context,
-                                 args.dropout)
+        model = tiny_gpt.TinyGPT(
+            args.vocab, args.d_model, args.n_layers, args.n_heads, args.context, args.dropout
+        )
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -129,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     rt.start()  # a spare blocks here until promoted (the mesh needs the group: it builds after)
     world, rank = rt.world_size, rt.rank
     if world != layout.world_size:
-        raise SystemExit(f"--mesh {'x'.join(map(str, layout.shape))} needs {layout.world_size} ranks; "
-                         f"this job has {world}")
+        raise SystemExit(
+            f"--mesh {'x'.join(map(str, layout.shape))} needs {layout.world_size} ranks; this job has {world}"
+        )
     loader = None
     if own.loader == "stateful":
         loader = tiny_gpt.FilteredLoader(args.seed, rank, world, args.batch_size, args.context, args.vocab)
@@ -140,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     if trainer.resume_from_checkpoint(ckpt_dir) and not trainer.received_state:
         rt.log.info("resumed at step %d from %s", trainer.step, ckpt_dir)
     if rank == 0:
-        rt.log.info("model: %d parameters, mesh %s", sum(p.numel() for p in trainer.model.parameters()),
-                    dict(zip(layout.dims, layout.shape, strict=True)))
+        rt.log.info(
+            "model: %d parameters, mesh %s",
+            sum(p.numel() for p in trainer.model.parameters()),
+            dict(zip(layout.dims, layout.shape, strict=True)),
+        )
     meter = tiny_gpt.Throughput(args, rank, world)
     hang = tiny_gpt.HangInjection(rt.log) if args.hang_on_sigusr1 else None
 

@@ -65,8 +65,12 @@ class CommitLog:
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps({"t": round(time.time(), 3), "group": self.group,
-                                "restart": self.restart, **record}) + "\n")
+            f.write(
+                json.dumps(
+                    {"t": round(time.time(), 3), "group": self.group, "restart": self.restart, **record}
+                )
+                + "\n"
+            )
 
 
 def start_barrier(folder: Path, group: int, groups: int) -> None:
@@ -75,8 +79,9 @@ def start_barrier(folder: Path, group: int, groups: int) -> None:
     deadline = time.monotonic() + START_BARRIER_S
     while sum(1 for g in range(groups) if (folder / f"torchft-ready-{g}").exists()) < groups:
         if time.monotonic() > deadline:
-            raise SystemExit(f"tiny_gpt_torchft: not every replica group started "
-                             f"within {START_BARRIER_S:.0f} s")
+            raise SystemExit(
+                f"tiny_gpt_torchft: not every replica group started within {START_BARRIER_S:.0f} s"
+            )
         time.sleep(0.1)
     time.sleep(1.0)  # the managers' heartbeats reach the Lighthouse before the first quorum
 
@@ -132,12 +137,18 @@ def main(argv: list[str] | None = None) -> int:
     store = torch.distributed.TCPStore(host, port, is_master=True, wait_for_workers=False)
     pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
     manager = Manager(
-        pg=pg, min_replica_size=1,
+        pg=pg,
+        min_replica_size=1,
         load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), opt.load_state_dict(sd["optim"])),
         state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
-        replica_id=f"tiny_gpt_{group}", timeout=timedelta(seconds=30),
+        replica_id=f"tiny_gpt_{group}",
+        timeout=timedelta(seconds=30),
         checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu")),
-        rank=0, world_size=1, store_addr=host, store_port=port, hostname=host,
+        rank=0,
+        world_size=1,
+        store_addr=host,
+        store_port=port,
+        hostname=host,
     )
     ddp = ddp_class(os.environ.get("TORCHFT_DDP_HOOK", "shipped"))(manager, model)
     optimizer = Optimizer(manager, opt)
@@ -157,20 +168,31 @@ def main(argv: list[str] | None = None) -> int:
         done = manager.current_step()
         if done > step:
             meter.commit(done)
-            log.write({"step": done, "quorum": manager._quorum_id,
-                       "participants": manager.num_participants()})
+            log.write(
+                {"step": done, "quorum": manager._quorum_id, "participants": manager.num_participants()}
+            )
             if group == 0 and (done % args.log_every == 0 or done == args.steps):
                 print(f"step={done} loss={float(loss.detach()):.4f}", flush=True)
         else:
             log.write({"event": "not committed", "step": step, "quorum": manager._quorum_id})
     params, optim = tiny_gpt.params_sha256(model), tiny_gpt.optim_sha256(opt)
-    log.write({"done": args.steps, "loss": round(float(loss.detach()), 4), "params_sha256": params,
-               "optim_sha256": optim, "throughput": meter.line()})
+    log.write(
+        {
+            "done": args.steps,
+            "loss": round(float(loss.detach()), 4),
+            "params_sha256": params,
+            "optim_sha256": optim,
+            "throughput": meter.line(),
+        }
+    )
     (folder / f"torchft-done-{group}").touch()  # the launcher's sign that the group finished
     if group == 0:
         print(meter.line(), flush=True)
-        print(f"done step={args.steps} loss={float(loss.detach()):.4f} params_sha256={params} "
-              f"optim_sha256={optim}", flush=True)
+        print(
+            f"done step={args.steps} loss={float(loss.detach()):.4f} params_sha256={params} "
+            f"optim_sha256={optim}",
+            flush=True,
+        )
     manager.shutdown(wait=False)
     del store
     return 0

@@ -93,19 +93,26 @@ class GroupPlace:
     @classmethod
     def from_env(cls, env: dict[str, str] | os._Environ[str]) -> GroupPlace:
         try:
-            return cls(group=int(env["REPLICA_GROUP_ID"]), groups=int(env["NUM_REPLICA_GROUPS"]),
-                       rank=int(env.get("RANK", env.get("SLURM_PROCID", "0"))),
-                       shards=int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1"))),
-                       restart=int(env.get("TORCHFT_RESTART", "0")))
+            return cls(
+                group=int(env["REPLICA_GROUP_ID"]),
+                groups=int(env["NUM_REPLICA_GROUPS"]),
+                rank=int(env.get("RANK", env.get("SLURM_PROCID", "0"))),
+                shards=int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1"))),
+                restart=int(env.get("TORCHFT_RESTART", "0")),
+            )
         except KeyError as err:
-            raise SystemExit(f"tiny_gpt_torchft_hsdp: {err.args[0]} is not set; start it with "
-                             "TORCHFT_GROUP_SIZE=2 sbatch tiny_gpt_torchft.sbatch") from None
+            raise SystemExit(
+                f"tiny_gpt_torchft_hsdp: {err.args[0]} is not set; start it with "
+                "TORCHFT_GROUP_SIZE=2 sbatch tiny_gpt_torchft.sbatch"
+            ) from None
 
     def check(self, layout: Any) -> None:
         """The mesh asked for (``--mesh RxS``) is the one the launcher started."""
         if tuple(layout.shape) != (self.groups, self.shards):
-            raise SystemExit(f"tiny_gpt_torchft_hsdp: --mesh {'x'.join(map(str, layout.shape))} but the "
-                             f"launcher started {self.groups} groups of {self.shards} ranks")
+            raise SystemExit(
+                f"tiny_gpt_torchft_hsdp: --mesh {'x'.join(map(str, layout.shape))} but the "
+                f"launcher started {self.groups} groups of {self.shards} ranks"
+            )
 
 
 class ShardState:
@@ -129,8 +136,10 @@ class ShardState:
 def replicate_hook(manager: Any) -> Any:
     """FSDP's all-reduce hook: average the reduce-scattered gradient over the participating
     groups. A failed all-reduce is recorded by the Manager (the step is then not committed)."""
+
     def all_reduce(output: torch.Tensor) -> None:
         manager.allreduce(output).wait()
+
     return all_reduce
 
 
@@ -150,22 +159,36 @@ def build_manager(place: GroupPlace, state: ShardState) -> Any:
 
     pg = ProcessGroupGloo(timeout=timedelta(seconds=REPLICA_PG_TIMEOUT_S))
     return Manager(
-        pg=pg, min_replica_size=1, load_state_dict=state.load_state_dict, state_dict=state.state_dict,
-        replica_id=f"tiny_gpt_hsdp_{place.group}", timeout=timedelta(seconds=MANAGER_TIMEOUT_S),
-        checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=HEAL_TIMEOUT_S),
-                                         device=torch.device("cpu")),
+        pg=pg,
+        min_replica_size=1,
+        load_state_dict=state.load_state_dict,
+        state_dict=state.state_dict,
+        replica_id=f"tiny_gpt_hsdp_{place.group}",
+        timeout=timedelta(seconds=MANAGER_TIMEOUT_S),
+        checkpoint_transport=PGTransport(
+            pg, timeout=timedelta(seconds=HEAL_TIMEOUT_S), device=torch.device("cpu")
+        ),
         # Every group builds the same initial weights from the seed: torchft's docstring says to
         # set init_sync=False then. (Its default heals every non-primary replica at step 0, and
         # the primary is chosen per shard rank: each shard would train its first step on one
         # group's samples, averaged as if both had contributed.)
         init_sync=False,
-        rank=place.rank, world_size=place.shards, store_addr=os.environ["MASTER_ADDR"],
-        store_port=int(os.environ["MASTER_PORT"]), hostname=socket.gethostname(),
+        rank=place.rank,
+        world_size=place.shards,
+        store_addr=os.environ["MASTER_ADDR"],
+        store_port=int(os.environ["MASTER_PORT"]),
+        hostname=socket.gethostname(),
     )
 
 
-def train(args: argparse.Namespace, place: GroupPlace, model: nn.Module, optimizer: Any, manager: Any,
-          log: tiny_gpt_torchft.CommitLog) -> tuple[torch.Tensor, tiny_gpt.Throughput]:
+def train(
+    args: argparse.Namespace,
+    place: GroupPlace,
+    model: nn.Module,
+    optimizer: Any,
+    manager: Any,
+    log: tiny_gpt_torchft.CommitLog,
+) -> tuple[torch.Tensor, tiny_gpt.Throughput]:
     """The torchft loop: quorum at zero_grad, FSDP + the hook in backward, commit at step."""
     meter = tiny_gpt.Throughput(args, place.mesh_rank, place.world)
     loss = torch.tensor(float("nan"))
@@ -183,8 +206,9 @@ def train(args: argparse.Namespace, place: GroupPlace, model: nn.Module, optimiz
             continue
         meter.commit(done)
         if place.rank == 0:
-            log.write({"step": done, "quorum": manager._quorum_id,
-                       "participants": manager.num_participants()})
+            log.write(
+                {"step": done, "quorum": manager._quorum_id, "participants": manager.num_participants()}
+            )
         if place.mesh_rank == 0 and (done % args.log_every == 0 or done == args.steps):
             print(f"step={done} loss={float(loss.detach()):.4f}", flush=True)
     return loss, meter
@@ -205,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # The group's world: its store on rank 0's node (MASTER_ADDR), which the Manager shares and
     # other groups reach when the quorum picks it for the cross-group process groups.
-    dist.init_process_group("gloo", rank=place.rank, world_size=place.shards,
-                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", rank=place.rank, world_size=place.shards, timeout=timedelta(seconds=GROUP_TIMEOUT_S)
+    )
     mesh = init_device_mesh("cpu", (place.shards,), mesh_dim_names=("shard",))
     model, opt = tiny_gpt_hsdp.builder(args)(mesh)  # identical initial weights in every group
     state = ShardState(model, opt)
@@ -215,15 +240,22 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = Optimizer(manager, opt)
     if place.restart == 0:
         tiny_gpt_torchft.start_barrier(folder, place.group, place.groups)
-    log.write({"event": "start", "rank": place.rank, "node": socket.gethostname(),
-               "step": manager.current_step()})
+    log.write(
+        {"event": "start", "rank": place.rank, "node": socket.gethostname(), "step": manager.current_step()}
+    )
 
     loss, meter = train(args, place, model, optimizer, manager, log)
     final_loss = tiny_gpt.mean_over_ranks(loss, place.shards)  # over the group's ranks
     digest = tiny_gpt_hsdp.full_state_sha256(model, opt)  # collective in the group; rank 0 gets it
     if place.rank == 0:
-        log.write({"done": args.steps, "loss": round(final_loss, 4), "params_sha256": digest,
-                   "throughput": meter.line()})
+        log.write(
+            {
+                "done": args.steps,
+                "loss": round(final_loss, 4),
+                "params_sha256": digest,
+                "throughput": meter.line(),
+            }
+        )
         (folder / f"torchft-done-{place.group}").touch()  # the launcher's sign that the group finished
     if place.mesh_rank == 0:
         print(meter.line(), flush=True)
