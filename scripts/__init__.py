@@ -1,1 +1,1 @@
-"""Developer tools; ``scripts.devcluster`` is the dev cluster's driver (importable from the repository root)."""
+"""Developer tools; ``scripts.devcluster`` drives the dev cluster (importable from the repository root)."""

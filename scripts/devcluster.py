@@ -39,7 +39,7 @@ COMPUTE = ("c1", "c2", "c3", "c4", "c5")
 #: component runs when tp-submit is given a supervisor partition. Not in ``debug``.
 SERVICE = ("s1",)
 SERVICE_PARTITION = "service"
-NODES = (CONTROLLER,) + COMPUTE + SERVICE
+NODES = (CONTROLLER, *COMPUTE, *SERVICE)
 
 
 @dataclass(frozen=True)
@@ -82,16 +82,24 @@ class Flavor:
 
 
 FLAVORS = {
-    "trixie": Flavor("trixie", "trixie", "torchpass", "torchpass-slurm-node:dev", "torchpass-net",
-                     "172.29.77", "shared"),
-    "bookworm": Flavor("bookworm", "bookworm", "torchpass-bw", "torchpass-slurm-node:bookworm",
-                       "torchpass-bw-net", "172.29.78", "shared-bookworm",
-                       wheels="bookworm/wheels.txt", cgroup_conf="bookworm/cgroup.conf"),
+    "trixie": Flavor(
+        "trixie", "trixie", "torchpass", "torchpass-slurm-node:dev", "torchpass-net", "172.29.77", "shared"
+    ),
+    "bookworm": Flavor(
+        "bookworm",
+        "bookworm",
+        "torchpass-bw",
+        "torchpass-slurm-node:bookworm",
+        "torchpass-bw-net",
+        "172.29.78",
+        "shared-bookworm",
+        wheels="bookworm/wheels.txt",
+        cgroup_conf="bookworm/cgroup.conf",
+    ),
 }
 _flavor_name = os.environ.get("TP_CLUSTER_FLAVOR", "trixie")
 if _flavor_name not in FLAVORS:
-    sys.exit(f"TP_CLUSTER_FLAVOR={_flavor_name!r} is not a cluster flavor; "
-             f"valid: {', '.join(FLAVORS)}")
+    sys.exit(f"TP_CLUSTER_FLAVOR={_flavor_name!r} is not a cluster flavor; valid: {', '.join(FLAVORS)}")
 FLAVOR = FLAVORS[_flavor_name]
 PROJECT = os.environ.get("TP_CLUSTER_PROJECT", FLAVOR.project)
 BASE_IMAGE = FLAVOR.base_image
@@ -146,22 +154,36 @@ def node_ip(node: str) -> str:
     return f"{NET_PREFIX}.{10 + NODES.index(node)}"
 
 
-def command(argv: Sequence[str], *, timeout: float = DOCKER_TIMEOUT_S, check: bool = True,
-            capture: bool = True, env: Mapping[str, str] | None = None
-            ) -> subprocess.CompletedProcess:
+def command(
+    argv: Sequence[str],
+    *,
+    timeout: float = DOCKER_TIMEOUT_S,
+    check: bool = True,
+    capture: bool = True,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     """Run one host command (docker, compose, debootstrap); ClusterError when it fails."""
     try:
-        proc = subprocess.run(list(argv), capture_output=capture, text=True, timeout=timeout,
-                              check=False, env=None if env is None else dict(env))
+        proc = subprocess.run(
+            list(argv),
+            capture_output=capture,
+            text=True,
+            timeout=timeout,
+            check=False,
+            env=None if env is None else dict(env),
+        )
     except FileNotFoundError:
-        raise ClusterError(f"`{argv[0]}` is not installed; the dev cluster needs Docker "
-                           "(scripts/host-setup installs it, docs/dev-cluster.md)") from None
+        raise ClusterError(
+            f"`{argv[0]}` is not installed; the dev cluster needs Docker "
+            "(scripts/host-setup installs it, docs/dev-cluster.md)"
+        ) from None
     except subprocess.TimeoutExpired:
         raise ClusterError(f"`{' '.join(argv)}` did not finish within {timeout:g} s") from None
     if check and proc.returncode != 0:
         said = (proc.stderr or proc.stdout or "").strip()[-2000:] if capture else ""
-        raise ClusterError(f"`{' '.join(argv)}` failed with status {proc.returncode}"
-                           + (f": {said}" if said else ""))
+        raise ClusterError(
+            f"`{' '.join(argv)}` failed with status {proc.returncode}" + (f": {said}" if said else "")
+        )
     return proc
 
 
@@ -173,8 +195,10 @@ def require_docker() -> None:
         raise ClusterError("docker is not installed; scripts/host-setup says what to install")
     proc = command(["docker", "info", "--format", "{{.ServerVersion}}"], check=False, timeout=30)
     if proc.returncode != 0:
-        raise ClusterError("the Docker engine does not answer; start dockerd, or run "
-                           f"scripts/host-setup as root (docker said: {proc.stderr.strip()})")
+        raise ClusterError(
+            "the Docker engine does not answer; start dockerd, or run "
+            f"scripts/host-setup as root (docker said: {proc.stderr.strip()})"
+        )
 
 
 def compose_cmd() -> list[str]:
@@ -187,10 +211,16 @@ def compose_cmd() -> list[str]:
 
 
 def compose(*args: str, timeout: float = DOCKER_TIMEOUT_S) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TP_CLUSTER_IMAGE=IMAGE, TP_CLUSTER_NETWORK=NETWORK,
-               TP_CLUSTER_NET_PREFIX=NET_PREFIX, TP_CLUSTER_SHARED=str(SHARED),
-               TP_CLUSTER_PROJECT=PROJECT, TP_CLUSTER_CGROUP_CONF=f"./{FLAVOR.cgroup_conf}")
-    argv = compose_cmd() + ["-p", PROJECT, "-f", str(COMPOSE_FILE), *args]
+    env = dict(
+        os.environ,
+        TP_CLUSTER_IMAGE=IMAGE,
+        TP_CLUSTER_NETWORK=NETWORK,
+        TP_CLUSTER_NET_PREFIX=NET_PREFIX,
+        TP_CLUSTER_SHARED=str(SHARED),
+        TP_CLUSTER_PROJECT=PROJECT,
+        TP_CLUSTER_CGROUP_CONF=f"./{FLAVOR.cgroup_conf}",
+    )
+    argv = [*compose_cmd(), "-p", PROJECT, "-f", str(COMPOSE_FILE), *args]
     return command(argv, timeout=timeout, env=env)
 
 
@@ -206,17 +236,24 @@ def ensure_base_image() -> None:
     if command(["docker", "pull", BASE_IMAGE], check=False, timeout=600).returncode == 0:
         return
     if shutil.which("debootstrap") is None:
-        raise ClusterError(f"{BASE_IMAGE} can be neither found nor pulled, and debootstrap is "
-                           "not installed to build it (apt-get install debootstrap)")
+        raise ClusterError(
+            f"{BASE_IMAGE} can be neither found nor pulled, and debootstrap is "
+            "not installed to build it (apt-get install debootstrap)"
+        )
     log(f"building {BASE_IMAGE} with debootstrap from {MIRROR} (about a minute)")
     with tempfile.TemporaryDirectory(prefix=f"tp-{FLAVOR.suite}-") as tmp:
         rootfs = Path(tmp) / "rootfs"
-        command(["debootstrap", "--variant=minbase", FLAVOR.suite, str(rootfs), MIRROR],
-                timeout=1200)
+        command(["debootstrap", "--variant=minbase", FLAVOR.suite, str(rootfs), MIRROR], timeout=1200)
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
         try:
-            imp = subprocess.run(["docker", "import", "-", BASE_IMAGE], stdin=tar.stdout,
-                                 capture_output=True, text=True, timeout=600, check=False)
+            imp = subprocess.run(
+                ["docker", "import", "-", BASE_IMAGE],
+                stdin=tar.stdout,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=False,
+            )
         finally:
             assert tar.stdout is not None
             tar.stdout.close()
@@ -244,21 +281,44 @@ def ensure_wheelhouse() -> Path | None:
     stamp = house / "wheels.txt"
     if stamp.exists() and stamp.read_text() == requirements.read_text():
         return house
-    log(f"downloading the wheels of {requirements.relative_to(ROOT)} into {house} "
-        "(about 230 MB the first time)")
-    platforms = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-                 "manylinux_2_5_x86_64", "manylinux1_x86_64", "linux_x86_64"]
+    log(
+        f"downloading the wheels of {requirements.relative_to(ROOT)} into {house} "
+        "(about 230 MB the first time)"
+    )
+    platforms = [
+        "manylinux_2_28_x86_64",
+        "manylinux_2_17_x86_64",
+        "manylinux2014_x86_64",
+        "manylinux_2_5_x86_64",
+        "manylinux1_x86_64",
+        "linux_x86_64",
+    ]
     binary, source = [], []
     for line in requirements.read_text().splitlines():
         req = line.split("#", 1)[0].strip()
         if req:
             (source if line.rstrip().endswith("# pure Python, sdist only") else binary).append(req)
-    command([*pip_command(), "download", "-q", "--only-binary=:all:", "--python-version", "3.11",
-             "--implementation", "cp", *(f"--platform={p}" for p in platforms),
-             "-d", str(house), *binary], timeout=BUILD_TIMEOUT_S)
+    command(
+        [
+            *pip_command(),
+            "download",
+            "-q",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.11",
+            "--implementation",
+            "cp",
+            *(f"--platform={p}" for p in platforms),
+            "-d",
+            str(house),
+            *binary,
+        ],
+        timeout=BUILD_TIMEOUT_S,
+    )
     if source:  # built here into a py3-none-any wheel, which any Python 3 installs
-        command([*pip_command(), "wheel", "-q", "--no-deps", "-w", str(house), *source],
-                timeout=BUILD_TIMEOUT_S)
+        command(
+            [*pip_command(), "wheel", "-q", "--no-deps", "-w", str(house), *source], timeout=BUILD_TIMEOUT_S
+        )
     shutil.copyfile(requirements, stamp)
     return house
 
@@ -269,8 +329,20 @@ def build_system_image() -> None:
     house = ensure_wheelhouse()
     with tempfile.TemporaryDirectory(prefix="tp-context-") as empty:
         context = str(house) if house is not None else empty
-        proc = command(["docker", "build", "-q", "-f", str(FLAVOR.system_dockerfile),
-                        "-t", FLAVOR.system_image, context], timeout=BUILD_TIMEOUT_S, check=False)
+        proc = command(
+            [
+                "docker",
+                "build",
+                "-q",
+                "-f",
+                str(FLAVOR.system_dockerfile),
+                "-t",
+                FLAVOR.system_image,
+                context,
+            ],
+            timeout=BUILD_TIMEOUT_S,
+            check=False,
+        )
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
         raise ClusterError(f"building {FLAVOR.system_image} failed (output above)")
@@ -283,9 +355,22 @@ def build() -> None:
     log(f"building {IMAGE} (the first build takes a few minutes; later ones seconds)")
     started = time.monotonic()
     build_system_image()
-    proc = command(["docker", "build", "-q", "-f", str(DOCKER_DIR / "Dockerfile"),
-                    "--build-arg", f"SYSTEM_IMAGE={FLAVOR.system_image}", "-t", IMAGE,
-                    str(ROOT)], timeout=BUILD_TIMEOUT_S, check=False)
+    proc = command(
+        [
+            "docker",
+            "build",
+            "-q",
+            "-f",
+            str(DOCKER_DIR / "Dockerfile"),
+            "--build-arg",
+            f"SYSTEM_IMAGE={FLAVOR.system_image}",
+            "-t",
+            IMAGE,
+            str(ROOT),
+        ],
+        timeout=BUILD_TIMEOUT_S,
+        check=False,
+    )
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
         raise ClusterError(f"building {IMAGE} failed (output above)")
@@ -318,12 +403,12 @@ def log_excerpt(text: str, lines: int = EXCERPT_LINES) -> list[str]:
     return (errors or tail)[-lines:]
 
 
-def not_up_message(waiting: Mapping[str, str], stopped: Sequence[str],
-                   logs: Mapping[str, str], waited_s: float) -> str:
+def not_up_message(
+    waiting: Mapping[str, str], stopped: Sequence[str], logs: Mapping[str, str], waited_s: float
+) -> str:
     """Why the cluster is not up: which nodes, in which state, and what their logs say."""
     if stopped:
-        head = (f"{', '.join(stopped)} stopped {waited_s:.0f} s after the start "
-                f"(container not running)")
+        head = f"{', '.join(stopped)} stopped {waited_s:.0f} s after the start (container not running)"
     else:
         summary = ", ".join(f"{n}={s}" for n, s in sorted(waiting.items()))
         head = f"nodes not idle after {waited_s:.0f} s: {summary}"
@@ -334,13 +419,14 @@ def not_up_message(waiting: Mapping[str, str], stopped: Sequence[str],
     for excerpt, nodes in saying.items():
         said = "\n".join(f"    {line}" for line in excerpt) if excerpt else "    (empty log)"
         parts.append(f"  {', '.join(nodes)} {'says' if len(nodes) == 1 else 'say'}:\n{said}")
-    parts.append("More: `scripts/cluster logs NODE`, `scripts/cluster status`; "
-                 "`scripts/cluster down` removes the cluster (docs/dev-cluster.md, Troubleshooting)")
+    parts.append(
+        "More: `scripts/cluster logs NODE`, `scripts/cluster status`; "
+        "`scripts/cluster down` removes the cluster (docs/dev-cluster.md, Troubleshooting)"
+    )
     return "\n".join(parts)
 
 
-def wait_for(probe: Callable[[], T | None], *, timeout: float, what: str,
-             interval: float = 1.0) -> T:
+def wait_for(probe: Callable[[], T | None], *, timeout: float, what: str, interval: float = 1.0) -> T:
     """Poll ``probe`` until it returns a truthy value; ClusterError after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     last: T | None = None
@@ -377,9 +463,11 @@ class Cluster:
         started = time.monotonic()
         compose("up", "-d", "--no-build")
         self.wait_idle(timeout=timeout)
-        log(f"cluster up in {time.monotonic() - started:.0f} s: {len(NODES)} containers, "
+        log(
+            f"cluster up in {time.monotonic() - started:.0f} s: {len(NODES)} containers, "
             f"{len(COMPUTE)} idle nodes and the service node {', '.join(SERVICE)} "
-            "(`scripts/cluster status`)")
+            "(`scripts/cluster status`)"
+        )
 
     def down(self) -> None:
         require_docker()
@@ -392,32 +480,42 @@ class Cluster:
 
     def is_up(self) -> bool:
         """The controller answers ``sinfo`` (the cluster runs, whoever started it)."""
-        proc = command(["docker", "exec", container(CONTROLLER), "sinfo", "-h", "-o", "%N"],
-                       check=False, timeout=60)
+        proc = command(
+            ["docker", "exec", container(CONTROLLER), "sinfo", "-h", "-o", "%N"], check=False, timeout=60
+        )
         return proc.returncode == 0
 
     def containers(self) -> dict[str, str]:
         """Node -> docker state (running, exited, ...) of the cluster's containers that exist."""
-        proc = command(["docker", "ps", "-a", "--filter", f"name=^{PROJECT}-",
-                        "--format", "{{.Names}}\t{{.State}}"], timeout=30)
+        proc = command(
+            ["docker", "ps", "-a", "--filter", f"name=^{PROJECT}-", "--format", "{{.Names}}\t{{.State}}"],
+            timeout=30,
+        )
         out = {}
         for line in proc.stdout.splitlines():
             name, _, state = line.partition("\t")
-            node = name[len(PROJECT) + 1:]
+            node = name[len(PROJECT) + 1 :]
             if node in NODES:
                 out[node] = state
         return out
 
     # -- running things ----------------------------------------------------
-    def exec(self, node: str, *cmd: str, timeout: float = EXEC_TIMEOUT_S, check: bool = True,
-             env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    def exec(
+        self,
+        node: str,
+        *cmd: str,
+        timeout: float = EXEC_TIMEOUT_S,
+        check: bool = True,
+        env: Mapping[str, str] | None = None,
+    ) -> subprocess.CompletedProcess:
         """Run a command on a node; ``check``: ClusterError with its output when it fails."""
         env_args = [a for k, v in (env or {}).items() for a in ("-e", f"{k}={v}")]
-        proc = command(["docker", "exec", *env_args, container(node), *cmd], timeout=timeout,
-                       check=False)
+        proc = command(["docker", "exec", *env_args, container(node), *cmd], timeout=timeout, check=False)
         if check and proc.returncode != 0:
-            raise ClusterError(f"on {node}: {' '.join(cmd)} failed ({proc.returncode}):\n"
-                               f"stdout: {proc.stdout}\nstderr: {proc.stderr}")
+            raise ClusterError(
+                f"on {node}: {' '.join(cmd)} failed ({proc.returncode}):\n"
+                f"stdout: {proc.stdout}\nstderr: {proc.stderr}"
+            )
         return proc
 
     def interactive(self, node: str, cmd: Sequence[str]) -> int:
@@ -432,8 +530,7 @@ class Cluster:
         proc = self.exec(node, "tail", "-n", str(lines), path, check=False, timeout=30)
         if proc.returncode == 0:
             return proc.stdout
-        proc = command(["docker", "logs", "--tail", str(lines), container(node)], check=False,
-                       timeout=30)
+        proc = command(["docker", "logs", "--tail", str(lines), container(node)], check=False, timeout=30)
         return proc.stdout + proc.stderr
 
     # -- Slurm's view ------------------------------------------------------
@@ -465,16 +562,27 @@ class Cluster:
 
     def wait_job_done(self, job_id: str, timeout: float = 180) -> str:
         """The job's final state, once it has one."""
+
         def finished() -> str | None:
             state = self.job_field(job_id, "JobState")
             return state if state not in UNFINISHED else None
+
         return wait_for(finished, timeout=timeout, what=f"job {job_id} to finish")
 
     # -- tp's view ---------------------------------------------------------
     def tp_submit(self, run_dir: str, *args: str, env: Mapping[str, str] | None = None) -> str:
         """``tp-submit ARGS`` on ctl with its run folder (under /shared) and output there; the job id."""
-        return self.exec(CONTROLLER, "tp-submit", "--parsable", "--run-dir", run_dir,
-                         "--output", f"{run_dir}/slurm-%j.out", *args, env=env).stdout.strip()
+        return self.exec(
+            CONTROLLER,
+            "tp-submit",
+            "--parsable",
+            "--run-dir",
+            run_dir,
+            "--output",
+            f"{run_dir}/slurm-%j.out",
+            *args,
+            env=env,
+        ).stdout.strip()
 
     def tp_status(self, job_id: str) -> dict[str, Any]:
         return json.loads(self.exec(CONTROLLER, "tp", "status", job_id, "--json").stdout)
@@ -514,8 +622,10 @@ class Cluster:
         log(f"{node}: powered on")
 
     def attached(self, node: str) -> bool:
-        proc = command(["docker", "inspect", "--format", "{{json .NetworkSettings.Networks}}",
-                        container(node)], timeout=30)
+        proc = command(
+            ["docker", "inspect", "--format", "{{json .NetworkSettings.Networks}}", container(node)],
+            timeout=30,
+        )
         return NETWORK in json.loads(proc.stdout or "{}")
 
     def partition(self, node: str) -> None:
@@ -554,8 +664,7 @@ class Cluster:
             slurm_nodes = COMPUTE + self.service_nodes(containers)
             stopped = stopped_nodes((CONTROLLER, *slurm_nodes), containers)
             states = {} if CONTROLLER in stopped else self._states_or_none()
-            waiting = {n: states.get(n, "unknown") for n in slurm_nodes
-                       if states.get(n) != "idle"}
+            waiting = {n: states.get(n, "unknown") for n in slurm_nodes if states.get(n) != "idle"}
             if not waiting and not stopped:
                 return
             waited = time.monotonic() - started
@@ -570,8 +679,9 @@ class Cluster:
             if resume:
                 for node, state in waiting.items():
                     if state.startswith(RESUMABLE):
-                        self.exec(CONTROLLER, "scontrol", "update", f"nodename={node}",
-                                  "state=resume", check=False)
+                        self.exec(
+                            CONTROLLER, "scontrol", "update", f"nodename={node}", "state=resume", check=False
+                        )
                 if waited > STUCK_AFTER_S and not reconfigured and self._stuck(waiting):
                     reconfigured = True
             time.sleep(POLL_S)
@@ -580,8 +690,12 @@ class Cluster:
         """Slurm 24.11 keeps a node ALLOCATED with no job on it once it left a job as it was set
         DOWN (docs/admin-guide.md, "Spare pool refills"); ``scontrol reconfigure`` clears it.
         Said aloud, and done once per wait: whether it was."""
-        stuck = [n for n, state in waiting.items() if state == "allocated" and not self.exec(
-            CONTROLLER, "squeue", "-h", "-w", n, check=False).stdout.strip()]
+        stuck = [
+            n
+            for n, state in waiting.items()
+            if state == "allocated"
+            and not self.exec(CONTROLLER, "squeue", "-h", "-w", n, check=False).stdout.strip()
+        ]
         if stuck:
             log(f"Slurm holds {', '.join(stuck)} ALLOCATED with no job on it: scontrol reconfigure")
             self.exec(CONTROLLER, "scontrol", "reconfigure", check=False)
@@ -615,7 +729,7 @@ class Cluster:
         prefix = self.shared_node.rstrip("/") + "/"
         if not node_path.startswith(prefix):
             raise ValueError(f"{node_path!r} is not under {prefix}")
-        return self.shared_host / node_path[len(prefix):]
+        return self.shared_host / node_path[len(prefix) :]
 
     def read_shared(self, relpath: str) -> str:
         return (self.shared_host / relpath).read_text()
