@@ -1,4 +1,4 @@
-"""benchmarks/control_scale.py: the pieces with logic (no sockets, no processes)."""
+"""benchmarks/experiments/control_scale.py: the pieces with logic (no sockets, no processes)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from benchmarks import control_scale as cs
+from benchmarks.experiments import control_scale as cs
 from torchpass_slurm.control import messages
 from torchpass_slurm.control.kinds import Kind
 

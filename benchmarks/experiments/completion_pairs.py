@@ -14,7 +14,7 @@ run's recoveries (fault to first committed step, from the event log) with
 the seconds per step before the first fault, so that a slower run is seen
 as such. Run::
 
-    python -m benchmarks.completion_pairs [--pairs 2] [--failures 2] [--json FILE]
+    python -m benchmarks.experiments.completion_pairs [--pairs 2] [--failures 2] [--json FILE]
 
 Needs the dockerized cluster up (``scripts/cluster up``). A script, not a
 test: the numbers depend on the machine and its load.
@@ -64,7 +64,7 @@ def one(args: list[str], spares: int, faults: tuple[int, ...]) -> dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.completion_pairs", description=__doc__.split("\n\n")[0]
+        prog="python -m benchmarks.experiments.completion_pairs", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--pairs", type=int, default=2, help="fault-free/live pairs (default 2)")
     p.add_argument("--failures", type=int, choices=(1, 2), default=2, help="nodes powered off per live run")

@@ -1,8 +1,8 @@
 """What the job's authenticated store costs a rendezvous: torch's TCPStore (before) against
 the job store (after), in one run, on loopback.
 
-    python -m benchmarks.store_rendezvous                       # 6 and 16 ranks, 5 epochs each
-    python -m benchmarks.store_rendezvous --ranks 6,32 --epochs 10 --json F
+    python -m benchmarks.experiments.store_rendezvous                       # 6 and 16 ranks, 5 epochs each
+    python -m benchmarks.experiments.store_rendezvous --ranks 6,32 --epochs 10 --json F
 
 For each world size, ``--ranks`` processes are started once (torch imported,
 the store connected) and then build ``--epochs`` process groups one after the

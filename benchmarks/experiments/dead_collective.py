@@ -24,7 +24,7 @@ raised; what it does then is the mode:
 thread; on a torch without ``ProcessGroup.abort`` the abort column is left
 out.) Run::
 
-    python -m benchmarks.dead_collective [--timeout 15] [--modes plain,teardown,abort,sockets]
+    python -m benchmarks.experiments.dead_collective [--timeout 15] [--modes plain,teardown,abort,sockets]
 
 It prints one row per survivor and victim signal: seconds from the signal
 to the survivor leaving its collective (``>T`` = the collective timeout, T

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What torchpass costs a rank between its steps: CPU time per second of wall time.
 
-    python3 -m benchmarks.idle_cost [--seconds S] [--json F]
+    python3 -m benchmarks.experiments.idle_cost [--seconds S] [--json F]
 
 Three processes, one after the other, each for ``--seconds`` against a real ControlServer
 (CURVE, ZeroMQ on 127.0.0.1) that this process serves:
@@ -31,7 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from torchpass_slurm.control.secret import create_secret, load_secret
 from torchpass_slurm.control.server import ControlServer
@@ -110,7 +110,9 @@ def measure(role: str, seconds: float, server: ControlServer, secret_file: Path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m benchmarks.idle_cost", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python3 -m benchmarks.experiments.idle_cost", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--seconds", type=float, default=20.0, help="measured seconds per process (default 20)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)

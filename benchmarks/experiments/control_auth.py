@@ -1,7 +1,7 @@
 """What CURVE costs the supervisor: heartbeats per second one core verifies, before and after.
 
-    python -m benchmarks.control_auth              # 100,000 heartbeats per row (~20 s)
-    python -m benchmarks.control_auth --count 20000 --senders 16
+    python -m benchmarks.experiments.control_auth              # 100,000 heartbeats per row (~20 s)
+    python -m benchmarks.experiments.control_auth --count 20000 --senders 16
 
 Two rows, measured one after the other in one run:
 

@@ -1,8 +1,8 @@
 """Control-plane scale: thousands of simulated ranks heartbeating into one real ControlServer.
 
-    python -m benchmarks.control_scale            # 2,048 nodes x 8 ranks = 16,384 ranks (~2.5 min)
-    python -m benchmarks.control_scale --quick    # 256 nodes x 8 ranks: checks that it works (~30 s)
-    python -m benchmarks.control_scale --profile  # also cProfile the supervisor in the first scenario
+    python -m benchmarks.experiments.control_scale            # 2,048 nodes x 8 ranks (~2.5 min)
+    python -m benchmarks.experiments.control_scale --quick    # 256 nodes x 8 ranks: it works (~30 s)
+    python -m benchmarks.experiments.control_scale --profile  # cProfile the first scenario's supervisor
 
 The supervisor process runs the real :class:`~torchpass_slurm.control.server.ControlServer`
 (ZeroMQ ROUTER on 127.0.0.1, HMAC-checked decode, replay guard) and the
@@ -820,7 +820,7 @@ def environment() -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.control_scale", description=__doc__.splitlines()[0]
+        prog="python -m benchmarks.experiments.control_scale", description=__doc__.splitlines()[0]
     )
     p.add_argument("--quick", action="store_true", help="256 nodes and 3 s windows: checks that it works")
     p.add_argument("--nodes", type=int, help="simulated nodes of 8 ranks (default 2048; 256 with --quick)")
