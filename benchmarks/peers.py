@@ -10,7 +10,7 @@ the same 3 active nodes, with 2 spare nodes in the allocation:
     restart    the same with TORCHPASS_RECOVERY=restart (every rank restarts from the newest
                checkpoint in the allocation, on a spare for a lost node)
     requeue    sbatch --requeue -N 3 of the plain DDP training, resuming from its checkpoint
-    torchft    sbatch -N 5 sbatch-examples/tiny_gpt_torchft.sbatch: torchft 0.2.0's Lighthouse,
+    torchft    sbatch -N 5 benchmarks/peer_drivers/tiny_gpt_torchft.sbatch: torchft 0.2.0's Lighthouse,
                one replica group per node, a failed group restarted on its node or a spare
     torchft-fixed  the same with its DDP comm hook's error path fixed (TORCHFT_DDP_HOOK=fixed:
                0.2.0's hook asserts after a failed allreduce and kills the surviving groups)
@@ -44,7 +44,7 @@ from torchpass_slurm.analysis.report_totals import job_json
 from torchpass_slurm.cli.report import load_report
 from torchpass_slurm.rundir import events as ev
 
-TORCHFT_SCRIPT = "/src/sbatch-examples/tiny_gpt_torchft.sbatch"
+TORCHFT_SCRIPT = "/src/benchmarks/peer_drivers/tiny_gpt_torchft.sbatch"
 SYSTEMS = ("torchft", "torchft-fixed", "torchpass", "restart", "requeue")
 SYSTEM_LABELS = {
     "torchpass": "torchpass (live migration)",

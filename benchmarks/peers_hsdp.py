@@ -60,7 +60,7 @@ CASE_LABELS = {
 #: The training process of each system, as ``pkill -f`` finds it on a node.
 PATTERNS = {
     "torchpass": "sbatch-examples/tiny_gpt_hsdp.py",
-    "torchft": "sbatch-examples/tiny_gpt_torchft_hsdp.py",
+    "torchft": "benchmarks/peer_drivers/tiny_gpt_torchft_hsdp.py",
 }
 TORCHFT_ENV = "TORCHFT_GROUPS=2,TORCHFT_GROUP_SIZE=2"
 #: Replica groups of the mesh (its replicate dimension).

@@ -53,6 +53,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+# tiny_gpt.py and tiny_gpt_hsdp.py, whose model and data this drives, are the examples'; the
+# other driver is beside this file.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "sbatch-examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tiny_gpt
