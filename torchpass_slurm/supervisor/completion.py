@@ -50,7 +50,7 @@ class Completion:
         ):
             return
         self._done(mig.resolution, self._lost(), 0 if mig.planned else 1)
-        self.job.state = RunState.RUNNING
+        self.job.enter(RunState.RUNNING)
 
     def released(self) -> None:
         """A leaving rank of the planned migration handed over and left: the switch came."""

@@ -147,7 +147,6 @@ class Executor:
         self.change_membership(plan.membership)
 
     def _give_up(self, plan: Plan) -> None:
-        self.job.state = RunState.RECOVERING
         self.finish(RunState.FAILED, plan.exit_code, plan.detail)
 
     def _defer(self, plan: Plan) -> None:
@@ -185,7 +184,7 @@ class Executor:
                 self.in_place.add(node, committed)
             else:
                 self.orders.promote(spare, PromoteMode.LIVE)
-        self.job.state = RunState.RECOVERING
+        self.job.enter(RunState.RECOVERING)
 
     def advance(self) -> None:
         """Each loop pass: moves in place whose old step has ended get their standby, then the
@@ -233,7 +232,7 @@ class Executor:
         self.job.rank_states.leaving(fault.node, leaving)
         after = (fault.node, leaving) if self.job.rank_states.holds(leaving) else None
         self.orders.promote(spare, PromoteMode.LIVE, after=after, switch_after=switch_after)
-        self.job.state = RunState.RECOVERING
+        self.job.enter(RunState.RECOVERING)
 
     def _regroup(self, plan: Plan) -> None:
         self.change_membership(plan.membership)
@@ -251,10 +250,10 @@ class Executor:
             self.job.migration, plan.membership.epoch, self.clock.time(), None, (), Resolution.REGROUP
         )
         self.orders.reconfigure(list(plan.membership.active))
-        self.job.state = RunState.RECOVERING
+        self.job.enter(RunState.RECOVERING)
 
     def _restart(self, plan: Plan) -> None:
-        self.job.state = RunState.RECOVERING
+        self.job.enter(RunState.RECOVERING)
         new = plan.membership
         for spare, node in zip(plan.promoted, plan.lost_nodes, strict=True):
             self.events.append(
@@ -267,7 +266,7 @@ class Executor:
         self._relaunch(survivors, plan, committed)
 
     def _restart_in_place(self, plan: Plan) -> None:
-        self.job.state = RunState.RECOVERING
+        self.job.enter(RunState.RECOVERING)
         self.job.in_place_restarts += 1
         committed = self.job.committed(list(self.job.membership.active))
         self.change_membership(plan.membership)
@@ -318,7 +317,7 @@ class Executor:
             plan.lost_nodes,
             Resolution.CHECKPOINT,
         )
-        self.job.state = RunState.LAUNCHING
+        self.job.enter(RunState.LAUNCHING)
 
     def _chained_from(self) -> dict[str, int]:
         """``chained_from``: the epoch of the recovery in flight that a new one continues."""
@@ -340,7 +339,8 @@ class Executor:
         for node in self.job.membership.spares:
             self.orders.stop_standby(node, message)
         self.launcher.stop(self.job.steps.values(), self.config.stop_timeout)
-        self.job.state, self.job.exit_code, self.job.message = state, exit_code, message
+        self.job.enter(state)
+        self.job.exit_code, self.job.message = exit_code, message
         self.allocation.close()  # the releases in flight are logged before the end
         kind = ev.FINISHED if state == RunState.SUCCEEDED else ev.FAILED
         self.events.append(

@@ -52,7 +52,7 @@ def begin(
         left = round(job.holding.until - clock.monotonic(), 3)
         events.append(ev.HOLDING, failed=[f.node for f in new], wait_s=left, detail=detail)
         logger.warning("%s", detail)
-    job.state = RunState.RECOVERING
+    job.enter(RunState.RECOVERING)
 
 
 def due(job: JobState, clock: Clock) -> bool:

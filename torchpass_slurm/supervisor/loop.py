@@ -267,7 +267,7 @@ class Supervisor:
         if self.job.state == RunState.LAUNCHING and all(
             self.job.steps[n].state == WorkerState.RUNNING for n in self.job.membership.active
         ):
-            self.job.state = RunState.RUNNING
+            self.job.enter(RunState.RUNNING)
 
     def _fence(self, node: str, step: WorkerStep, peer: bytes, message: Message) -> None:
         """A task of a step declared lost is still talking (a partition healed, a frozen process

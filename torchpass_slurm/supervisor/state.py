@@ -3,7 +3,8 @@
 :class:`JobState` is the one mutable record of a running job (membership,
 steps, run state, the recovery in flight); the loop (:mod:`.loop`) owns it,
 the executor (:mod:`.execute`) changes it, the detectors (:mod:`.detect`)
-read it.
+read it. Its run state changes only through :meth:`JobState.enter`, along
+:data:`RUN_STATE_MACHINE`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torchpass_slurm.supervisor.progress import Progress
 from torchpass_slurm.supervisor.rankstates import RankStates
 from torchpass_slurm.supervisor.workers import Clock, WorkerState, WorkerStep
 
-__all__ = ["Clock", "RunState", "RunResult", "Migration", "Holding", "JobState"]
+__all__ = ["Clock", "RunState", "RUN_STATE_MACHINE", "RunResult", "Migration", "Holding", "JobState"]
 
 
 class RunState(StrEnum):
@@ -33,6 +34,27 @@ class RunState(StrEnum):
     @property
     def ended(self) -> bool:
         return self in (RunState.SUCCEEDED, RunState.FAILED)
+
+
+#: The job's run-state machine: every transition :meth:`JobState.enter` allows, and what
+#: makes it. ``RECOVERING -> RECOVERING`` is a recovery that starts while one is in flight
+#: (it continues the chain); an ended job never moves again::
+#:
+#:     LAUNCHING ──every active step said hello──► RUNNING
+#:     LAUNCHING, RUNNING, RECOVERING ──a recovery starts──► RECOVERING
+#:     RECOVERING ──the new epoch's first step──► RUNNING
+#:     RECOVERING ──a restart relaunches the steps──► LAUNCHING
+#:     LAUNCHING, RUNNING, RECOVERING ──every active step exited 0──► SUCCEEDED
+#:     LAUNCHING, RUNNING, RECOVERING ──give up, or the supervisor itself fails──► FAILED
+_LIVE = (RunState.LAUNCHING, RunState.RUNNING, RunState.RECOVERING)
+RUN_STATE_MACHINE: dict[tuple[RunState, RunState], str] = {
+    (RunState.LAUNCHING, RunState.RUNNING): "every active step said hello",
+    **{(s, RunState.RECOVERING): "a recovery starts" for s in _LIVE},
+    (RunState.RECOVERING, RunState.RUNNING): "the new epoch's first step",
+    (RunState.RECOVERING, RunState.LAUNCHING): "a restart relaunches the steps",
+    **{(s, RunState.SUCCEEDED): "every active step exited 0" for s in _LIVE},
+    **{(s, RunState.FAILED): "give up, or the supervisor itself fails" for s in _LIVE},
+}
 
 
 @dataclass(frozen=True)
@@ -122,6 +144,16 @@ class JobState:
     #: None before the first). Silence is measured to here, not to the clock: a loop that was
     #: busy since (a node release held in scontrol for seconds) has not heard what came meanwhile.
     heard_until: float | None = None
+
+    def enter(self, state: RunState) -> None:
+        """Move the job to ``state``: the one way its run state changes. A transition that
+        :data:`RUN_STATE_MACHINE` does not hold is a bug in the supervisor: an error. Staying
+        in a live state is no transition (a second hello round, a repeated first step)."""
+        if state == self.state and not state.ended and state != RunState.RECOVERING:
+            return
+        if (self.state, state) not in RUN_STATE_MACHINE:
+            raise RuntimeError(f"job {self.job_id}: no transition from {self.state} to {state}")
+        self.state = state
 
     def silence_clock(self, now: float) -> float:
         """The time silence is measured to: ``now``, or the end of the last read pass if earlier."""
