@@ -45,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import jobs
+from benchmarks import jobs, manifest
 from benchmarks.runs import FAILING_ECC, HEALTHY_GPU
 from scripts.devcluster import COMPUTE
 from torchpass_slurm.analysis.report_totals import job_json
@@ -273,8 +273,7 @@ def run_and_save(run: Callable[[], dict[str, Any]], path: Path) -> dict[str, Any
         if started:
             cluster.down()
     result["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    manifest.write_result(path, result)
     return result
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import jobs
+from benchmarks import jobs, manifest
 from torchpass_slurm.analysis.report_totals import job_json
 from torchpass_slurm.cli.report import load_report
 from torchpass_slurm.rundir import events as ev
@@ -511,8 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
 
         def save(result: dict[str, Any]) -> None:
-            a.json.parent.mkdir(parents=True, exist_ok=True)
-            a.json.write_text(json.dumps(result, indent=1) + "\n")
+            manifest.write_result(a.json, result)
 
         systems = tuple(s for s in a.systems.split(",") if s)
         if set(systems) == set(SYSTEMS):

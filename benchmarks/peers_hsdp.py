@@ -44,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import jobs, peers, sharded
+from benchmarks import jobs, manifest, peers, sharded
 
 SYSTEMS = ("torchpass", "torchft")
 SYSTEM_LABELS = {
@@ -330,8 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     def save(result: dict[str, Any]) -> None:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(result, indent=1) + "\n")
+        manifest.write_result(a.json, result)
 
     cluster = jobs.CLUSTER
     started = not cluster.is_up()

@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import jobs
+from benchmarks import jobs, manifest
 from scripts import devcluster
 from torchpass_slurm.analysis.report_totals import job_json
 from torchpass_slurm.cli.report import load_report
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         if started:
             cluster.down()
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        manifest.write_result(args.json, result)
         jobs.progress(f"wrote {args.json}")
     return 0
 

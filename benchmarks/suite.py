@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks import campaign, detection, jobs, long_life, peers, render, runs
+from benchmarks import campaign, detection, jobs, long_life, manifest, peers, render, runs
 from scripts.devcluster import ClusterError
 
 PARTS = {
@@ -146,8 +146,7 @@ def run_suite(args: argparse.Namespace, results: dict[str, Any]) -> int:
         except ClusterError as err:
             sys.exit(f"benchmark part {part!r} failed: {err}")
         jobs.progress(f"{part}: done in {time.monotonic() - part_began:.0f} s")
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")  # a crash later keeps this part
+        manifest.write_result(args.json, results, indent=2)  # a crash later keeps this part
     jobs.progress(f"suite done in {time.monotonic() - began:.0f} s; results in {args.json}")
     if args.no_doc:
         print(render.tables(results))
@@ -171,8 +170,7 @@ def run_campaign(args: argparse.Namespace) -> int:
         default, text = campaign.DEFAULT_JSON, f"{campaign.table(result)}\n{result['tp_report_totals_only']}"
     result["environment"] = environment("campaign")
     path = default if args.json == DEFAULT_JSON else args.json
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    manifest.write_result(path, result)
     print(text)
     jobs.progress(f"campaign done in {result['seconds']:.0f} s; results in {path}")
     return 0
