@@ -1,11 +1,12 @@
-"""Typed bodies of the control messages the supervisor sends, and of the reports ranks send.
+"""Typed bodies of the control messages the supervisor sends: promote, reconfigure, stop, ack.
 
-The wire stays a JSON object checked against
-:data:`~torchpass_slurm.control.messages.BODY_SCHEMAS`; these dataclasses are
-the one place each body's fields are named, built (``to_body``) and read back
-(``from_body``), by the supervisor, the rank side and the test fakes alike.
-``from_body`` raises :class:`~torchpass_slurm.errors.ControlPlaneError` for a
-body that does not fit.
+These dataclasses are the one place each body's fields are named, built
+(``to_body``) and read back (``from_body``), by the supervisor, the rank side
+and the test fakes alike; :func:`~torchpass_slurm.control.messages.decode`
+checks a received body with the same ``from_body``, which raises
+:class:`~torchpass_slurm.errors.ControlPlaneError` for a body that does not
+fit. The bodies a rank sends are in :mod:`.rank_bodies`, its reports in
+:mod:`.reports` (:class:`Report` is re-exported here).
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.control.rankstate import check_copies
+from torchpass_slurm.control.reports import Report
 from torchpass_slurm.errors import ControlPlaneError
-from torchpass_slurm.mesh import MeshLayout
 from torchpass_slurm.strenum import StrEnum
 
-__all__ = ["PromoteMode", "Promote", "Reconfigure", "Stop", "Report"]
+__all__ = ["PromoteMode", "Promote", "Reconfigure", "Stop", "Ack", "Report"]
 
 
 class PromoteMode(StrEnum):
@@ -51,7 +51,7 @@ class Promote:
     master_addr: str
     master_port: int
     epoch: int
-    mode: PromoteMode
+    mode: PromoteMode = PromoteMode.RESTART
     store_addr: str = ""
     store_port: int = 0
     rank_state: tuple[tuple[int, Mapping[str, Any]], ...] = ()
@@ -153,88 +153,20 @@ class Stop:
     def to_body(self) -> dict[str, Any]:
         return {"reason": self.reason}
 
-
-#: Fields every report of a kind must carry, with their JSON types (others may come too).
-REPORT_FIELDS: Mapping[ReportKind, Mapping[str, type]] = {
-    ReportKind.AGREEMENT: {"committed_step": int, "epoch": int},
-    ReportKind.FIRST_STEP: {"step": int, "epoch": int},
-    ReportKind.RESUMED: {"step": int, "epoch": int},
-    ReportKind.COLLECTIVE_FAILED: {"epoch": int},
-    ReportKind.GROUP_REBUILT: {"epoch": int},
-    ReportKind.TRANSFER_DONE: {"epoch": int},
-    ReportKind.RELEASED: {"epoch": int},
-    ReportKind.HEALTH_WARNING: {"status": str, "summary": str},
-    ReportKind.RANK_STATE_MISSING: {"step": int, "epoch": int},
-}
-#: Fields any report may carry, with their types when present. Every field of a report
-#: may end up in the event log, and the log's readers rely on these types.
-OPTIONAL_REPORT_FIELDS: Mapping[str, tuple[type, ...]] = {
-    "rank": (int, type(None)),
-    "epoch": (int,),
-    "step": (int,),
-    "committed_step": (int,),
-    "seconds": (int, float),
-    "bytes": (int,),
-    "retries": (int,),
-    "error": (str,),
-    #: a sharded rank's device mesh (``MeshLayout.to_json``), in its ``live_ready``
-    "mesh": (dict,),
-}
-#: Names a report's fields may not use: the event log's own keys, and ``node``, which the
-#: supervisor sets from the sender (only the health agent's report names its node itself).
-RESERVED_REPORT_FIELDS = frozenset({"ts", "kind", "job", "node"})
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Stop:
+        return cls(reason=_field(body, "reason", str, "stop"))
 
 
 @dataclass(frozen=True)
-class Report:
-    """Rank -> supervisor: a fact (``kind``) with its fields (``rank`` among them)."""
+class Ack:
+    """Both ways: the message with sequence number ``seq`` arrived."""
 
-    kind: ReportKind
-    fields: Mapping[str, Any]
-
-    @property
-    def epoch(self) -> int | None:
-        epoch = self.fields.get("epoch")
-        return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
-
-    @property
-    def mesh(self) -> MeshLayout | None:
-        """The device mesh the rank reported (checked by :meth:`from_body`), if any."""
-        value = self.fields.get("mesh")
-        return None if value is None else MeshLayout.from_json(value)
+    seq: int
 
     def to_body(self) -> dict[str, Any]:
-        return {"event": self.kind.value, "fields": dict(self.fields)}
+        return {"seq": self.seq}
 
     @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> Report:
-        try:
-            kind = ReportKind(body.get("event"))
-        except ValueError:
-            raise ControlPlaneError(
-                f"unknown report {body.get('event')!r}; expected one of "
-                f"{', '.join(k.value for k in ReportKind)}"
-            ) from None
-        fields = body.get("fields")
-        if not isinstance(fields, Mapping):
-            raise ControlPlaneError(
-                f"{kind.value!r} report fields are {type(fields).__name__}; expected an object"
-            )
-        what = f"{kind.value!r} report"
-        for name, type_ in REPORT_FIELDS.get(kind, {}).items():
-            _field(fields, name, type_, what)
-        for name, types in OPTIONAL_REPORT_FIELDS.items():
-            value = fields.get(name)
-            if name in fields and (isinstance(value, bool) or not isinstance(value, types)):
-                wanted = " or ".join("null" if t is type(None) else t.__name__ for t in types)
-                raise ControlPlaneError(f"{what} field {name!r} is {value!r}; expected {wanted}")
-        reserved = RESERVED_REPORT_FIELDS - ({"node"} if kind == ReportKind.HEALTH_WARNING else set())
-        clash = sorted(reserved & set(fields))
-        if clash:
-            raise ControlPlaneError(f"{what} has fields named {', '.join(clash)}; those names are reserved")
-        if "mesh" in fields:
-            try:  # a layout the planner cannot trust is no layout: the whole report is refused
-                MeshLayout.from_json(fields["mesh"])
-            except (ValueError, TypeError) as exc:  # TypeError: an unhashable dimension name
-                raise ControlPlaneError(f"{what} field 'mesh' is not a mesh layout: {exc}") from None
-        return cls(kind, dict(fields))
+    def from_body(cls, body: Mapping[str, Any]) -> Ack:
+        return cls(seq=_field(body, "seq", int, "ack"))

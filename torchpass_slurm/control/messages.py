@@ -47,9 +47,20 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 from torchpass_slurm import jsonsafe
-from torchpass_slurm.control import rankstate
+from torchpass_slurm.control import schema
+from torchpass_slurm.control.bodies import Ack, Promote, Reconfigure, Stop
 from torchpass_slurm.control.kinds import Kind, ReportKind
+from torchpass_slurm.control.rank_bodies import (
+    MAX_STATE_CHARS,
+    MAX_TASKS,
+    Bye,
+    Heartbeat,
+    Hello,
+    RankStateCopy,
+    Standby,
+)
 from torchpass_slurm.control.refusals import RefusalLog, cause_of
+from torchpass_slurm.control.reports import ReportEnvelope
 from torchpass_slurm.errors import AuthenticationError, ControlPlaneError
 
 logger = logging.getLogger(__name__)
@@ -71,6 +82,7 @@ __all__ = [
     "SUPERVISOR_KINDS",
     "ALL_KINDS",
     "BODY_SCHEMAS",
+    "BODY_TYPES",
     "PROTOCOL_VERSION",
     "MAX_FRAME_BYTES",
     "SUPERVISOR",
@@ -117,39 +129,30 @@ MAX_INT = jsonsafe.MAX_INT
 #: the window only has to cover skew plus queueing delay.
 DEFAULT_MAX_SKEW_S = 30.0
 MAC_BYTES = hashlib.sha256().digest_size
-#: Most entries in a per-node heartbeat's ``tasks``, and the longest ``state`` one may carry.
-MAX_TASKS = 1024
-MAX_STATE_CHARS = 64
 #: Prefix of every MAC input: a key used here cannot be confused with any other use.
 _MAC_DOMAIN = b"torchpass-slurm control plane\0"
 
 # --- bodies -------------------------------------------------------------------
-_INT = (int,)
-_OPT_INT = (int, type(None))
-_STR = (str,)
 
-#: Required body fields of each kind and their allowed JSON types. Extra
-#: fields are allowed (a newer peer may send more); missing or mistyped
-#: required fields are errors. A heartbeat's optional ``tasks`` is checked too
-#: (:func:`_check_tasks`).
+#: The typed body of each kind (``to_body``/``from_body``): :func:`decode` and :func:`encode`
+#: check a body with its ``from_body`` (a report: its envelope, :class:`ReportEnvelope`; its
+#: fields are checked where they are read, ``Report.from_body``). Extra fields are allowed
+#: (a newer peer may send more); missing or mistyped declared fields are errors.
+BODY_TYPES: Mapping[str, Any] = {
+    HELLO: Hello,
+    HEARTBEAT: Heartbeat,
+    STANDBY: Standby,
+    BYE: Bye,
+    REPORT: ReportEnvelope,
+    RANK_STATE: RankStateCopy,
+    PROMOTE: Promote,
+    STOP: Stop,
+    RECONFIGURE: Reconfigure,
+    ACK: Ack,
+}
+#: Required body fields of each kind and their allowed JSON types, derived from :data:`BODY_TYPES`.
 BODY_SCHEMAS: Mapping[str, Mapping[str, tuple[type, ...]]] = {
-    HELLO: {"node": _STR, "rank": _OPT_INT, "local_rank": _INT, "role": _STR, "pid": _INT},
-    HEARTBEAT: {"rank": _OPT_INT, "step": _OPT_INT, "state": _STR},
-    STANDBY: {"node": _STR, "local_rank": _INT},
-    BYE: {},
-    REPORT: {"event": _STR, "fields": (dict,)},
-    RANK_STATE: {"rank": _INT, "step": _INT, "state": (dict,)},
-    PROMOTE: {
-        "rank": _INT,
-        "local_rank": _INT,
-        "world_size": _INT,
-        "master_addr": _STR,
-        "master_port": _INT,
-        "epoch": _INT,
-    },
-    STOP: {"reason": _STR},
-    RECONFIGURE: {"epoch": _INT, "world_size": _INT, "store_addr": _STR, "store_port": _INT},
-    ACK: {"seq": _INT},
+    kind: schema.required_types(cls) for kind, cls in BODY_TYPES.items()
 }
 
 
@@ -160,7 +163,7 @@ class Message:
     ``sender`` names the process (e.g. ``"node7/3"`` for local rank 3 on node7,
     or ``"supervisor"``); ``seq`` grows strictly per sender; ``ts`` is the
     sender's wall clock (unix seconds); ``body`` is a JSON object whose
-    required fields are given by :data:`BODY_SCHEMAS`; ``to`` names the
+    fields are given by its kind's typed body (:data:`BODY_TYPES`); ``to`` names the
     recipient (the supervisor, or the worker's ``sender`` name), so bytes
     captured on their way to one worker are refused by every other.
     """
@@ -427,52 +430,11 @@ def _check_header(kind: object, sender: object, seq: object, ts: object, to: obj
 def _check_body(kind: str, body: object) -> None:
     if not isinstance(body, Mapping):
         raise ControlPlaneError(f"{kind!r} body is a {type(body).__name__}; expected a dict")
-    for name, types in BODY_SCHEMAS[kind].items():
-        if name not in body:
-            raise ControlPlaneError(f"{kind!r} body lacks the field {name!r}")
-        value = body[name]
-        if isinstance(value, bool) or not isinstance(value, types):
-            wanted = " or ".join("null" if t is type(None) else t.__name__ for t in types)
-            raise ControlPlaneError(
-                f"{kind!r} body field {name!r} is {type(value).__name__}; expected {wanted}"
-            )
-    if kind == HEARTBEAT and "tasks" in body:
-        _check_tasks(body["tasks"])
-    elif kind == RANK_STATE:
-        rankstate.check_copy(body["step"], body["state"], f"'rank_state' of rank {body['rank']}")
-    elif kind == PROMOTE and "rank_state" in body:
-        rankstate.check_copies(body["rank_state"], "'promote' body field 'rank_state'")
-
-
-def _check_tasks(tasks: object) -> None:
-    """A per-node heartbeat's ``tasks``: at most :data:`MAX_TASKS` entries, each
-    ``[local_rank, rank, step, state, age_ms, alive]`` (int >= 0, int or null, int or null,
-    str of at most :data:`MAX_STATE_CHARS`, int >= 0, bool: the task's process lives; an entry
-    without it says nothing of its process)."""
-    if not isinstance(tasks, list) or len(tasks) > MAX_TASKS:
-        size = f"a list of {len(tasks)}" if isinstance(tasks, list) else f"a {type(tasks).__name__}"
-        raise ControlPlaneError(
-            f"'heartbeat' body field 'tasks' is {size}; expected a list of at most {MAX_TASKS} entries"
-        )
-    for entry in tasks:
-        if not (
-            isinstance(entry, list)
-            and len(entry) in (5, 6)
-            and (len(entry) == 5 or isinstance(entry[5], bool))
-            and _is_int(entry[0])
-            and 0 <= entry[0] <= MAX_INT
-            and (entry[1] is None or _is_int(entry[1]))
-            and (entry[2] is None or _is_int(entry[2]))
-            and isinstance(entry[3], str)
-            and len(entry[3]) <= MAX_STATE_CHARS
-            and _is_int(entry[4])
-            and 0 <= entry[4] <= MAX_INT
-        ):
-            raise ControlPlaneError(
-                f"'heartbeat' body has the task entry {str(entry)[:80]}; expected [local_rank >= 0, "
-                f"rank or null, step or null, state of at most {MAX_STATE_CHARS} characters, age_ms >= 0, "
-                "alive (true or false, optional)]"
-            )
+    cls = BODY_TYPES[kind]
+    if cls is ReportEnvelope:
+        schema.parse(ReportEnvelope, body, f"{kind!r} body")
+    else:
+        cls.from_body(body)
 
 
 def _check_fresh(msg: Message, now: float, max_skew_s: float) -> None:

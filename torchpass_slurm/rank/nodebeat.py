@@ -38,19 +38,14 @@ import os
 import stat
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from torchpass_slurm.config import ENV_EPOCH, ENV_NODE_HEARTBEAT, ENV_SECRET_FILE
 from torchpass_slurm.control.kinds import Kind
-from torchpass_slurm.control.messages import (
-    MAX_STATE_CHARS,
-    MAX_TASKS,
-    Message,
-    Receiver,
-    SequenceCounter,
-    encode,
-)
+from torchpass_slurm.control.messages import Message, Receiver, SequenceCounter, encode
+from torchpass_slurm.control.rank_bodies import MAX_STATE_CHARS, MAX_TASKS, Heartbeat, TaskBeat
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.rank.rankinfo import RankInfo
 
@@ -160,7 +155,7 @@ class BeatRelay:
     def periodic(self, body: dict[str, Any]) -> None:
         import zmq
 
-        beat = {**body, "pid": os.getpid()}
+        beat = replace(Heartbeat.from_body(body), pid=os.getpid()).to_body()
         msg = Message(Kind.HEARTBEAT, self.sender, self._seq.next(), time.time(), beat, to=self.to)
         try:
             self._sock.send_multipart(encode(msg, self._secret), flags=zmq.NOBLOCK)
@@ -205,11 +200,11 @@ class BeatCollector:
     def periodic(self, body: dict[str, Any]) -> dict[str, Any]:
         self.collect()
         now = time.monotonic()
-        tasks = [
-            [local, rank, step, state, int((now - at) * 1000), pid is None or process_alive(pid)]
+        tasks = tuple(
+            TaskBeat(local, rank, step, state, int((now - at) * 1000), pid is None or process_alive(pid))
             for local, (rank, step, state, at, pid) in sorted(self.latest.items())
-        ]
-        return {**body, "tasks": tasks[:MAX_TASKS]}
+        )
+        return {**body, **replace(Heartbeat.from_body(body), tasks=tasks[:MAX_TASKS]).to_body()}
 
     def collect(self) -> None:
         """Take every beat waiting (a few per rank at most); never raises."""
@@ -229,7 +224,8 @@ class BeatCollector:
 
     def _take(self, msg: Message) -> None:
         node, _, local = msg.sender.rpartition("/")
-        state = msg.body["state"]
+        beat = Heartbeat.from_body(msg.body)  # checked by decode already
+        state = beat.state
         if (
             node != self.node
             or not (local.isascii() and local.isdigit())
@@ -241,10 +237,8 @@ class BeatCollector:
                 "ignoring a beat from %s: its state is over %d characters", msg.sender, MAX_STATE_CHARS
             )
         else:
-            pid = msg.body.get("pid")
-            if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-                pid = None  # no word on its process: it counts as alive
-            self.latest[int(local)] = (msg.body["rank"], msg.body["step"], state, time.monotonic(), pid)
+            pid = beat.pid if beat.pid is not None and beat.pid > 0 else None  # None: counts as alive
+            self.latest[int(local)] = (beat.rank, beat.step, state, time.monotonic(), pid)
 
     def close(self) -> None:
         """Close the socket, and remove it and the folder (when nothing else is left in it)."""

@@ -19,7 +19,8 @@ from torchpass_slurm.config import (
     ENV_STORE,
     NodeRole,
 )
-from torchpass_slurm.errors import ConfigError, ControlPlaneError
+from torchpass_slurm.control.bodies import Promote
+from torchpass_slurm.errors import ConfigError
 from torchpass_slurm.strenum import StrEnum
 
 __all__ = ["Role", "RankInfo", "plain_rank_info", "active_rank_info", "promoted_rank_info", "role_from_env"]
@@ -125,25 +126,19 @@ def _store_of(value: str | None) -> dict[str, Any]:
     return {"store_addr": host, "store_port": int(port)}
 
 
-def promoted_rank_info(body: Mapping[str, Any], env: Mapping[str, str]) -> RankInfo:
-    """Rank info of a spare from its promote message."""
-    try:
-        return RankInfo(
-            rank=int(body["rank"]),
-            world_size=int(body["world_size"]),
-            local_rank=int(body.get("local_rank", 0)),
-            local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", ENV_NTASKS_PER_NODE, default=1),
-            master_addr=str(body["master_addr"]),
-            master_port=int(body["master_port"]),
-            epoch=int(body["epoch"]),
-            store_addr=body.get("store_addr"),
-            store_port=body.get("store_port"),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ControlPlaneError(
-            f"malformed promote message {dict(body)!r}: {exc!r}",
-            hint="the supervisor and this worker run different torchpass-slurm versions?",
-        ) from exc
+def promoted_rank_info(promote: Promote, env: Mapping[str, str]) -> RankInfo:
+    """Rank info of a spare from its promote message (parsed once, by ``Promote.from_body``)."""
+    return RankInfo(
+        rank=promote.rank,
+        world_size=promote.world_size,
+        local_rank=promote.local_rank,
+        local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", ENV_NTASKS_PER_NODE, default=1),
+        master_addr=promote.master_addr,
+        master_port=promote.master_port,
+        epoch=promote.epoch,
+        store_addr=promote.store_addr or None,
+        store_port=promote.store_port or None,
+    )
 
 
 def _require(env: Mapping[str, str], name: str) -> str:

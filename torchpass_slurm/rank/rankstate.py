@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torchpass_slurm.control.kinds import Kind, ReportKind
+from torchpass_slurm.control.rank_bodies import RankStateCopy
 from torchpass_slurm.control.rankstate import (
     MAX_RANK_STATE_BYTES,
     MAX_RANK_STATE_COPIES,
@@ -75,7 +76,7 @@ class RankState:
         self._copies = [*(c for c in self._copies if c[0] < tag), (tag, copy)][-MAX_RANK_STATE_COPIES:]
         self.tag = tag
         if self.rt.role is not Role.PLAIN:
-            self.rt.outbox.put((Kind.RANK_STATE, {"rank": self.rt.rank, "step": tag, "state": copy}))
+            self.rt.outbox.put((Kind.RANK_STATE, RankStateCopy(self.rt.rank, tag, copy).to_body()))
 
     def forget_held(self) -> None:
         """The objects may hold a state no copy has (a step failed after its batch was drawn and

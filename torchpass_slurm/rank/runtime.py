@@ -53,12 +53,14 @@ from torchpass_slurm.config import (
     ENV_SECRET_FILE,
     SupervisorConfig,
 )
+from torchpass_slurm.control import rank_bodies
 from torchpass_slurm.control.bodies import Promote, Reconfigure
-from torchpass_slurm.control.messages import Kind, ReportKind
+from torchpass_slurm.control.kinds import Kind, ReportKind
+from torchpass_slurm.control.reports import Report
 from torchpass_slurm.errors import ControlPlaneError
-from torchpass_slurm.rank.health_agent import HealthAgent
 from torchpass_slurm.phase import Phase
 from torchpass_slurm.rank.group import destroy_group, superseding
+from torchpass_slurm.rank.health_agent import HealthAgent
 from torchpass_slurm.rank.link import (
     ClientFactory,
     ControlClientLike,
@@ -280,8 +282,12 @@ class Runtime:
         self.init_process_group(backend, timeout, rendezvous_timeout)
 
     def report(self, event: ReportKind, **fields: Any) -> None:
-        """Tell the supervisor a fact for the event log (sent at once by the heartbeat thread)."""
-        body = {"event": ReportKind(event).value, "fields": {"rank": self.rank, **fields}}
+        """Tell the supervisor a fact for the event log (sent at once by the heartbeat thread).
+
+        The report is built and checked here by its kind's typed fields
+        (``control/reports.py``), as the supervisor will read it: ControlPlaneError if
+        ``fields`` do not fit (a bug of the caller, not a fault of the job)."""
+        body = Report.of(event, rank=self.rank, **fields).to_body()
         if self._heartbeat is not None:
             self.outbox.put((Kind.REPORT, body))
         elif self._client is not None:
@@ -333,23 +339,20 @@ class Runtime:
 
     def _hello_body(self) -> dict[str, Any]:
         info = self._info()
-        return {
-            "node": self.node,
-            "rank": info.rank,
-            "local_rank": info.local_rank,
-            "role": Role.ACTIVE.value,
-            "pid": os.getpid(),
-            "world_size": info.world_size,
-            "epoch": info.epoch,
-            "promoted": self.is_spare_promoted,
-        }
+        return rank_bodies.Hello(
+            node=self.node,
+            rank=info.rank,
+            local_rank=info.local_rank,
+            role=Role.ACTIVE.value,
+            pid=os.getpid(),
+            world_size=info.world_size,
+            epoch=info.epoch,
+            promoted=self.is_spare_promoted,
+        ).to_body()
 
     def _beat_body(self, state: str | None = None) -> dict[str, Any]:
-        return {
-            "rank": self.info.rank if self.info is not None else None,
-            "step": self.step,
-            "state": state or self.state,
-        }
+        rank = self.info.rank if self.info is not None else None
+        return rank_bodies.Heartbeat(rank=rank, step=self.step, state=str(state or self.state)).to_body()
 
     def _start_heartbeat(self) -> None:
         assert self._client is not None
@@ -385,7 +388,7 @@ class Runtime:
         self.state = Phase.STANDBY
         assert self._client is not None
         local_rank = _int(self._environ, "SLURM_LOCALID", default=0)
-        standby = {"node": self.node, "pid": os.getpid(), "local_rank": local_rank}
+        standby = rank_bodies.Standby(node=self.node, local_rank=local_rank, pid=os.getpid()).to_body()
         orphan = Orphan(
             self._environ, node=self.node, sender=str(getattr(self._client, "sender", "")), log=self.log
         )
@@ -394,8 +397,14 @@ class Runtime:
         msg = wait_for_promotion(self._client, interval, standby, self._beat_body, self.log, timeout, orphan)
         if msg.kind == Kind.STOP:
             self._exit_on_stop(msg)
-        self.info = promoted_rank_info(msg.body, self._environ)
-        self.promotion = Promote.from_body(msg.body)
+        try:  # decode checked the body with Promote.from_body: this is the one parse of it
+            self.promotion = Promote.from_body(msg.body)
+        except ControlPlaneError as exc:
+            raise ControlPlaneError(
+                f"malformed promote message: {exc.message}",
+                hint="the supervisor and this worker run different torchpass-slurm versions?",
+            ) from None
+        self.info = promoted_rank_info(self.promotion, self._environ)
         self.is_spare_promoted = True
         self.log.info("promoted: %s", msg.body)
 

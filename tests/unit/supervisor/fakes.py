@@ -24,13 +24,14 @@ import itertools
 import signal
 import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
 from torchpass_slurm import config as cfg
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.control.bodies import Report
+from torchpass_slurm.control.rank_bodies import Heartbeat, Hello, Standby, TaskBeat
 from torchpass_slurm.control.messages import Message, ReportKind, encode
 from torchpass_slurm.errors import SlurmError, ControlPlaneError
 from torchpass_slurm.slurm.models import Job, Node
@@ -317,7 +318,7 @@ class SimStep:
     stopped: set[str] = field(default_factory=set)  # senders that obeyed a STOP
     held: int | None = None  # the step its heartbeats carry while its training is stuck
     #: node beats: the last beat local rank 0 heard of each other task: (elapsed time, body)
-    relayed: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    relayed: dict[str, tuple[float, Heartbeat]] = field(default_factory=dict)
 
     def step_at(self, elapsed: float) -> int:
         """The step its heartbeats carry: one per virtual second, unless held."""
@@ -362,6 +363,8 @@ class World:
         self.quiet: set[str] = set()
         self.dead: set[str] = set()
         self.hello_delay: dict[str, float] = {}
+        #: reports sent that the typed report refused (only tests of malformed reports send any)
+        self.malformed_sent = 0
         #: the phase (``torchpass_slurm.phase``) an active node's heartbeats carry; default "training"
         self.phase: dict[str, str] = {}
         self._actions: list[tuple[float, Callable[[], None]]] = []
@@ -406,7 +409,12 @@ class World:
         """What ``Runtime.report`` sends (its rank added); a dead or silent step sends nothing."""
         if sim.process.poll() is not None or sim.node in self.silent or sim.node != sender.split("/")[0]:
             return
-        body = Report(ReportKind(event), {"rank": self.rank_of(sim, sender), **fields}).to_body()
+        wire = {"rank": self.rank_of(sim, sender), **fields}
+        try:  # built and checked with the rank side's typed report, as Runtime.report does
+            body = Report.of(event, **wire).to_body()
+        except ControlPlaneError:  # a test's deliberately malformed report goes out as it is
+            self.malformed_sent += 1
+            body = {"event": str(event), "fields": wire}
         self.server.inject(sim.peers[sender], sender, msg.REPORT, body)
 
     def sim_of(self, peer: bytes) -> SimStep:
@@ -452,32 +460,33 @@ class World:
             if sender in sim.stopped or sender in self.quiet or sender in self.dead:
                 continue
             state = self.phase.get(sim.node, "training") if sim.role == "active" else "standby"
-            beats[sender] = {"rank": self.rank_of(sim, sender), "step": sim.step_at(now), "state": state}
+            beats[sender] = Heartbeat(rank=self.rank_of(sim, sender), step=sim.step_at(now), state=state)
         if self.node_beats and sim.role == "active":
             self._node_beat(sim, beats)
         else:
-            for sender, body in beats.items():
-                self.server.inject(sim.peers[sender], sender, msg.HEARTBEAT, body)
+            for sender, beat in beats.items():
+                self.server.inject(sim.peers[sender], sender, msg.HEARTBEAT, beat.to_body())
         if sim.role == "active" and self.train_s is not None and now - sim.greeted_at >= self.train_s:
             sim.process.exit(0)
 
-    def _node_beat(self, sim: SimStep, beats: dict[str, dict[str, Any]]) -> None:
+    def _node_beat(self, sim: SimStep, beats: dict[str, Heartbeat]) -> None:
         """Local rank 0 hears the others' beats and sends one heartbeat for the node."""
         now, leader = self.clock.elapsed, f"{sim.node}/0"
         sim.relayed.update({s: (now, b) for s, b in beats.items() if s != leader})
         if leader not in beats:
             return
-        tasks = [[int(s.rsplit("/", 1)[1]), b["rank"], b["step"], b["state"], round((now - t) * 1000),
-                  s not in self.dead]
-                 for s, (t, b) in sorted(sim.relayed.items())]
-        self.server.inject(sim.peers[leader], leader, msg.HEARTBEAT, {**beats[leader], "tasks": tasks})
+        tasks = tuple(TaskBeat(int(s.rsplit("/", 1)[1]), b.rank, b.step, b.state, round((now - t) * 1000),
+                               s not in self.dead)
+                      for s, (t, b) in sorted(sim.relayed.items()))
+        beat = replace(beats[leader], tasks=tasks)
+        self.server.inject(sim.peers[leader], leader, msg.HEARTBEAT, beat.to_body())
 
     def _greeting(self, sim: SimStep, sender: str) -> tuple[str, dict[str, Any]]:
         local = int(sender.rsplit("/", 1)[1])
         if sim.role == "spare":
-            return msg.STANDBY, {"node": sim.node, "local_rank": local, "pid": sim.process.pid}
-        return msg.HELLO, {"node": sim.node, "rank": self.rank_of(sim, sender), "local_rank": local,
-                           "role": "active", "pid": sim.process.pid, "epoch": sim.epoch}
+            return msg.STANDBY, Standby(node=sim.node, local_rank=local, pid=sim.process.pid).to_body()
+        return msg.HELLO, Hello(node=sim.node, rank=self.rank_of(sim, sender), local_rank=local,
+                                role="active", pid=sim.process.pid, epoch=sim.epoch).to_body()
 
     @staticmethod
     def rank_of(sim: SimStep, sender: str) -> int | None:

@@ -130,8 +130,7 @@ def test_a_fenced_step_that_speaks_again_moves_nothing(live: Live) -> None:
         h.server.disconnected.discard(zombie)  # the partition healed; it reconnects
         for _ in range(3):
             h.server.inject(zombie, "c2/0", msg.HEARTBEAT, {"rank": 1, "step": 3, "state": "training"})
-        failed = Report(ReportKind.COLLECTIVE_FAILED, {"rank": 1, "step": 3, "epoch": 0,
-                                                       "error": gloo_reset_by("c1")})
+        failed = Report.of(ReportKind.COLLECTIVE_FAILED, rank=1, step=3, epoch=0, error=gloo_reset_by("c1"))
         h.server.inject(zombie, "c2/0", msg.REPORT, failed.to_body())
     h.world.at(9.0, wake)
 
@@ -151,7 +150,7 @@ def test_a_survivors_report_of_an_epoch_already_recovered_is_old_news(live: Live
     probe_of(h).gone.add("c2")
     h.world.go_silent("c2", at=3.0)
     # c1 was stuck in epoch 0's collective; it says so after the job moved to epoch 1
-    stale = Report(ReportKind.COLLECTIVE_FAILED, {"rank": 0, "step": 3, "epoch": 0, "error": gloo_reset_by("c2")})
+    stale = Report.of(ReportKind.COLLECTIVE_FAILED, rank=0, step=3, epoch=0, error=gloo_reset_by("c2"))
     h.world.at(9.0, lambda: h.server.inject(b"c1/0#1", "c1/0", msg.REPORT, stale.to_body()))
 
     result = h.run()
