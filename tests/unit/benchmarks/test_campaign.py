@@ -28,8 +28,12 @@ def test_an_odd_count_leaves_the_last_job_one_fault() -> None:
 
 def test_each_injected_fault_takes_the_first_fault_found_on_its_node_after_it() -> None:
     injected = [{"node": "c2", "wall": 100.0}, {"node": "c3", "wall": 200.0}]
-    found = [{"node": "c3", "time": 50.0}, {"node": "c2", "time": 100.5}, {"node": "c3", "time": 200.2},
-             {"node": "c3", "time": 205.0}]
+    found = [
+        {"node": "c3", "time": 50.0},
+        {"node": "c2", "time": 100.5},
+        {"node": "c3", "time": 200.2},
+        {"node": "c3", "time": 205.0},
+    ]
     assert c.match(injected, found) == [found[1], found[2]]
     assert c.match([{"node": "c4", "wall": 1.0}], found) == [None]
 
@@ -39,17 +43,27 @@ def _record(cls: str, live: bool, data: bool = True, bitwise: bool = True) -> di
 
 
 def test_totals_count_the_shares_per_class_and_bitwise_among_the_live_only() -> None:
-    records = [_record("rank SIGKILL", True), _record("rank SIGKILL", True, bitwise=False),
-               _record("admin drain", False, bitwise=False), _record("admin drain", True)]
+    records = [
+        _record("rank SIGKILL", True),
+        _record("rank SIGKILL", True, bitwise=False),
+        _record("admin drain", False, bitwise=False),
+        _record("admin drain", True),
+    ]
     t = c.totals(records)
     assert t["by_class"]["rank SIGKILL"]["share_live"] == 1.0
     assert t["by_class"]["rank SIGKILL"]["share_bitwise_among_live"] == 0.5
     assert t["by_class"]["admin drain"]["share_live"] == 0.5
     assert t["by_class"]["admin drain"]["share_bitwise_among_live"] == 1.0
     assert "node power-off" not in t["by_class"]
-    assert t["all"] == {"faults": 4, "live_no_lost_progress": 3, "no_data_loss": 4,
-                        "bitwise_equal_among_live": 2, "share_live": 0.75, "share_no_data_loss": 1.0,
-                        "share_bitwise_among_live": 0.6667}
+    assert t["all"] == {
+        "faults": 4,
+        "live_no_lost_progress": 3,
+        "no_data_loss": 4,
+        "bitwise_equal_among_live": 2,
+        "share_live": 0.75,
+        "share_no_data_loss": 1.0,
+        "share_bitwise_among_live": 0.6667,
+    }
 
 
 def test_a_torchft_restart_from_step_0_counts_its_committed_steps_as_lost() -> None:

@@ -35,8 +35,12 @@ def test_beats_spread_over_the_interval_one_per_rank_or_one_per_node() -> None:
         ("n00001/0", tuple(range(8, 16))),
     ]
     body = cs.heartbeat_body(per_node[1], 5)
-    assert body == {"rank": 8, "step": 5, "state": "running",
-                    "tasks": [[k, 8 + k, 5, "running", round(250 * k / 8)] for k in range(1, 8)]}
+    assert body == {
+        "rank": 8,
+        "step": 5,
+        "state": "running",
+        "tasks": [[k, 8 + k, 5, "running", round(250 * k / 8)] for k in range(1, 8)],
+    }
 
 
 def test_the_victim_is_local_rank_3_of_the_middle_node_or_that_node() -> None:

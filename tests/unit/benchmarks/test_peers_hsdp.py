@@ -21,15 +21,26 @@ def start(group: int, rank: int, node: str, restart: int = 0) -> dict:
 
 
 def test_the_torchft_victim_is_a_rank_of_the_last_group_away_from_the_batch_host() -> None:
-    records = [start(0, 0, "c1"), start(0, 1, "c2"), start(1, 0, "c3"), start(1, 1, "c4"),
-               {"t": 2.0, "group": 1, "restart": 0, "step": 3, "quorum": 1, "participants": 2}]
+    records = [
+        start(0, 0, "c1"),
+        start(0, 1, "c2"),
+        start(1, 0, "c3"),
+        start(1, 1, "c4"),
+        {"t": 2.0, "group": 1, "restart": 0, "step": 3, "quorum": 1, "participants": 2},
+    ]
     assert peers_hsdp.torchft_victim_of(records, {"c1"}) == "c4"
     assert peers_hsdp.torchft_victim_of(records, {"c1", "c4"}) == "c3"
 
 
 def test_a_restarted_group_is_found_where_it_started_last() -> None:
-    records = [start(0, 0, "c1"), start(0, 1, "c2"), start(1, 0, "c3"), start(1, 1, "c4"),
-               start(1, 0, "c3", restart=1), start(1, 1, "c5", restart=1)]
+    records = [
+        start(0, 0, "c1"),
+        start(0, 1, "c2"),
+        start(1, 0, "c3"),
+        start(1, 1, "c4"),
+        start(1, 0, "c3", restart=1),
+        start(1, 1, "c5", restart=1),
+    ]
     assert peers_hsdp.torchft_victim_of(records, {"c1", "c4"}) == "c5"
 
 
@@ -47,31 +58,66 @@ def test_the_throughput_summary_takes_medians_and_torchpass_over_torchft() -> No
 
 
 def run(state: str, seconds: float, **fields: object) -> dict:
-    return {"state": state, "seconds": seconds, "timeline": [[1.0, "PENDING"], [2.0, "RUNNING"]],
-            "bitwise_equal_to_no_fault": False, **fields}
+    return {
+        "state": state,
+        "seconds": seconds,
+        "timeline": [[1.0, "PENDING"], [2.0, "RUNNING"]],
+        "bitwise_equal_to_no_fault": False,
+        **fields,
+    }
 
 
 def test_the_tables_give_every_run_its_row_and_a_loss_as_a_loss() -> None:
     result = {
-        "throughput": peers_hsdp.throughput_summary({"torchpass": [4000.0, 4200.0],
-                                                     "torchft": [3000.0, 3100.0]}),
+        "throughput": peers_hsdp.throughput_summary(
+            {"torchpass": [4000.0, 4200.0], "torchft": [3000.0, 3100.0]}
+        ),
         "systems": {
-            "torchpass": {"no_fault": run("COMPLETED", 40.0, final_loss="3.4000", lost_steps=0,
-                                          bitwise_equal_to_no_fault=True),
-                          "node_kill": run("COMPLETED", 43.5, recoveries_s=[1.5], lost_steps=0,
-                                           final_loss="3.4000", bitwise_equal_to_no_fault=True)},
-            "torchft": {"no_fault": run("COMPLETED", 45.0, final_loss="3.5000", lost_steps=0,
-                                        fewer_replica_steps=0, bitwise_equal_to_no_fault=True),
-                        "node_kill": run("COMPLETED", 52.0, recoveries_s=[5.2], full_strength_s=[None],
-                                         lost_steps=0, fewer_replica_steps=16, final_loss="3.9000")}},
+            "torchpass": {
+                "no_fault": run(
+                    "COMPLETED", 40.0, final_loss="3.4000", lost_steps=0, bitwise_equal_to_no_fault=True
+                ),
+                "node_kill": run(
+                    "COMPLETED",
+                    43.5,
+                    recoveries_s=[1.5],
+                    lost_steps=0,
+                    final_loss="3.4000",
+                    bitwise_equal_to_no_fault=True,
+                ),
+            },
+            "torchft": {
+                "no_fault": run(
+                    "COMPLETED",
+                    45.0,
+                    final_loss="3.5000",
+                    lost_steps=0,
+                    fewer_replica_steps=0,
+                    bitwise_equal_to_no_fault=True,
+                ),
+                "node_kill": run(
+                    "COMPLETED",
+                    52.0,
+                    recoveries_s=[5.2],
+                    full_strength_s=[None],
+                    lost_steps=0,
+                    fewer_replica_steps=16,
+                    final_loss="3.9000",
+                ),
+            },
+        },
     }
     text = peers_hsdp.tables(result)
     assert "| torchpass HSDP 2x2 (live migration, 1 hot spare) | 4,000 | 4,200 | 4,100 |" in text
     assert "torchpass / torchft: 1.344" in text
-    assert ("| torchpass HSDP 2x2 (live migration, 1 hot spare) | a node powered off | COMPLETED "
-            "| 41.5 | +3.5 | 1.50 | - | 0 | - | 3.4000 | yes |") in text
-    assert ("| torchft 0.2.0 HSDP 2x2 (TorchTitan's wiring, 1 idle node) | a node powered off | COMPLETED "
-            "| 50.0 | +7.0 | 5.20 | - | 0 | 16 | 3.9000 | no |") in text
+    assert (
+        "| torchpass HSDP 2x2 (live migration, 1 hot spare) | a node powered off | COMPLETED "
+        "| 41.5 | +3.5 | 1.50 | - | 0 | - | 3.4000 | yes |"
+    ) in text
+    assert (
+        "| torchft 0.2.0 HSDP 2x2 (TorchTitan's wiring, 1 idle node) | a node powered off | COMPLETED "
+        "| 50.0 | +7.0 | 5.20 | - | 0 | 16 | 3.9000 | no |"
+    ) in text
 
 
 def test_unknown_cases_are_refused_with_the_valid_ones(capsys: pytest.CaptureFixture[str]) -> None:
