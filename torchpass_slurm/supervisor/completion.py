@@ -16,9 +16,9 @@ steps lost, nothing moved), and the spare is not waited for (:meth:`Completion.u
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
+from torchpass_slurm.control.reports import FirstStep, Resumed
 from torchpass_slurm.faults import Resolution
 from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.supervisor.state import Clock, JobState, RunState
@@ -40,13 +40,13 @@ class Completion:
         if mig is not None and epoch == mig.epoch:
             mig.agreed = committed_step
 
-    def first_step(self, fields: Mapping[str, Any]) -> None:
+    def first_step(self, report: FirstStep) -> None:
         """Rank 0 committed the new epoch's first step: a live recovery is done."""
         mig = self.job.migration
         if (
             mig is None
             or mig.resolution not in (Resolution.LIVE, Resolution.REGROUP)
-            or fields.get("epoch", mig.epoch) != mig.epoch
+            or report.epoch != mig.epoch
         ):
             return
         self._done(mig.resolution, self._lost(), 0 if mig.planned else 1)
@@ -96,11 +96,11 @@ class Completion:
         )
         self.job.migration = None
 
-    def resumed(self, fields: Mapping[str, Any]) -> None:
+    def resumed(self, report: Resumed) -> None:
         """Rank 0 resumed from the checkpoint after a restart: the steps since it are lost."""
         mig = self.job.migration
-        if mig is None or mig.resolution != Resolution.CHECKPOINT or fields.get("epoch") != mig.epoch:
+        if mig is None or mig.resolution != Resolution.CHECKPOINT or report.epoch != mig.epoch:
             return
-        resumed = int(fields.get("step", 0))
+        resumed = report.step
         lost = None if mig.committed is None else max(0, mig.committed - resumed)
         self._done(Resolution.CHECKPOINT, lost, lost, resumed_step=resumed)

@@ -28,8 +28,20 @@ from pathlib import Path
 from typing import Any
 
 from torchpass_slurm.config import NodeRole, SupervisorConfig
-from torchpass_slurm.control.bodies import Report, Stop
-from torchpass_slurm.control.messages import Kind, Message, ReportKind
+from torchpass_slurm.control.bodies import Stop
+from torchpass_slurm.control.kinds import Kind, ReportKind
+from torchpass_slurm.control.messages import Message
+from torchpass_slurm.control.rank_bodies import Heartbeat, Hello, RankStateCopy, Standby
+from torchpass_slurm.control.reports import (
+    Agreement,
+    CollectiveFailed,
+    FirstStep,
+    HealthWarning,
+    LiveReady,
+    Released,
+    Report,
+    Resumed,
+)
 from torchpass_slurm.control.server import ControlServer
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.faults import Detector, Fault, RecoveryPolicy
@@ -284,81 +296,91 @@ class Supervisor:
             logger.warning("cannot tell fenced %s to stop: %s", message.sender, err)
 
     def _on_message(self, node: str, step: WorkerStep, message: Message, now: float) -> None:
-        body = message.body
-        if message.kind == Kind.HELLO:
-            if body.get("epoch", step.epoch) != step.epoch:
-                return  # a straggler of an older launch on this node
-            step.seen(message.sender, now)
-            step.hello_senders.add(message.sender)
-            if len(step.hello_senders) >= step.ntasks and step.state == WorkerState.STARTING:
-                step.state = WorkerState.RUNNING
-                step.all_up(now)
-                self.events.append(
-                    ev.WORKER_UP, node=node, role=step.role, ranks=list(self.job.membership.ranks_of(node))
-                )
-        elif message.kind == Kind.HEARTBEAT:
-            if message.sender not in step.hello_senders and message.sender not in step.standby_senders:
-                # a straggler of an older launch on this node, stopping: its steps are not this
-                # launch's (after a checkpoint restart they sat above the steps recomputed, and
-                # the job looked stuck: issue 24); this launch's tasks greet first
-                return
-            step.seen(message.sender, now, body.get("step"), body.get("state"))
-            if "tasks" in body:  # a per-node heartbeat: its node's other tasks, relayed
-                step.relayed(message.sender, body["tasks"], now)
-        elif message.kind == Kind.RANK_STATE:
-            self.job.rank_states.accept(self.job.membership, node, message.sender, body)
-        elif message.kind == Kind.BYE:
-            step.said_bye.add(message.sender)  # it stops beating; its step's exit says the rest
-        elif message.kind == Kind.REPORT:
-            try:
+        kind, body = message.kind, message.body
+        try:  # decode checked the body with the same class: this is its one typed reading
+            if kind == Kind.HELLO:
+                self._on_hello(node, step, message.sender, Hello.from_body(body), now)
+            elif kind == Kind.HEARTBEAT:
+                self._on_heartbeat(step, message.sender, Heartbeat.from_body(body), now)
+            elif kind == Kind.RANK_STATE:
+                copy = RankStateCopy.from_body(body)
+                self.job.rank_states.accept(self.job.membership, node, message.sender, copy)
+            elif kind == Kind.BYE:
+                step.said_bye.add(message.sender)  # it stops beating; its step's exit says the rest
+            elif kind == Kind.STANDBY:
+                Standby.from_body(body)
+                self._on_standby(node, step, message.sender, now)
+            elif kind == Kind.REPORT:
                 report = Report.from_body(body)
-            except ControlPlaneError as err:  # a malformed report is logged and dropped, never fatal
-                logger.warning("ignoring a malformed report from %s: %s", message.sender, err)
-                return
-            if report.kind == ReportKind.COLLECTIVE_FAILED:  # alive, and tearing its group down
-                step.recovering(message.sender, now)
-            else:
-                step.seen(message.sender, now)  # a rank that reports is alive
-            self._on_report(node, step, report)
-        elif message.kind == Kind.STANDBY:
-            step.standby_senders.add(message.sender)
-            step.seen(message.sender, now)
-            if step.all_standby() and step.state == WorkerState.STARTING:
-                step.state = WorkerState.STANDBY
-                self.events.append(ev.WORKER_UP, node=node, role=NodeRole.SPARE)
+                if report.kind == ReportKind.COLLECTIVE_FAILED:  # alive, and tearing its group down
+                    step.recovering(message.sender, now)
+                else:
+                    step.seen(message.sender, now)  # a rank that reports is alive
+                self._on_report(node, step, report)
+        except ControlPlaneError as err:  # a malformed body is logged and dropped, never fatal
+            what = "report" if kind == Kind.REPORT else f"{kind} message"
+            logger.warning("ignoring a malformed %s from %s: %s", what, message.sender, err)
+
+    def _on_hello(self, node: str, step: WorkerStep, sender: str, hello: Hello, now: float) -> None:
+        if hello.epoch is not None and hello.epoch != step.epoch:
+            return  # a straggler of an older launch on this node
+        step.seen(sender, now)
+        step.hello_senders.add(sender)
+        if len(step.hello_senders) >= step.ntasks and step.state == WorkerState.STARTING:
+            step.state = WorkerState.RUNNING
+            step.all_up(now)
+            self.events.append(
+                ev.WORKER_UP, node=node, role=step.role, ranks=list(self.job.membership.ranks_of(node))
+            )
+
+    @staticmethod
+    def _on_heartbeat(step: WorkerStep, sender: str, beat: Heartbeat, now: float) -> None:
+        if sender not in step.hello_senders and sender not in step.standby_senders:
+            # a straggler of an older launch on this node, stopping: its steps are not this
+            # launch's (after a checkpoint restart they sat above the steps recomputed, and
+            # the job looked stuck: issue 24); this launch's tasks greet first
+            return
+        step.seen(sender, now, beat.step, beat.state)
+        if beat.tasks is not None:  # a per-node heartbeat: its node's other tasks, relayed
+            step.relayed(sender, beat.tasks, now)
+
+    def _on_standby(self, node: str, step: WorkerStep, sender: str, now: float) -> None:
+        step.standby_senders.add(sender)
+        step.seen(sender, now)
+        if step.all_standby() and step.state == WorkerState.STARTING:
+            step.state = WorkerState.STANDBY
+            self.events.append(ev.WORKER_UP, node=node, role=NodeRole.SPARE)
 
     def _on_report(self, node: str, step: WorkerStep, report: Report) -> None:
-        fields = {k: v for k, v in report.fields.items() if k not in ("ts", "kind", "job")}
-        kind = report.kind
-        if kind == ReportKind.LIVE_READY:
+        data = report.data
+        if isinstance(data, LiveReady):
             if not accept_mesh(self.job, self.events, node, report):
                 return  # refused whole: a rank whose mesh the planner cannot trust is not live
             step.live = True
-        elif kind == ReportKind.COLLECTIVE_FAILED:
+        elif isinstance(data, CollectiveFailed):
             # only a failure in the job's current epoch is news; an older one is being recovered
-            if (report.epoch if report.epoch is not None else step.epoch) >= self.job.membership.epoch:
-                self.detectors.collective_failed(node, fields.get("rank"), str(fields.get("error", "")))
-        elif kind in RANK_EVENTS:
-            self.events.append(kind, node=node, **fields)
-            if kind == ReportKind.AGREEMENT:
-                self.completion.agreed(report.epoch, int(fields["committed_step"]))
-            elif kind == ReportKind.FIRST_STEP:
-                self.completion.first_step(fields)
-            elif kind == ReportKind.RELEASED:
-                self.executor.orders.released(fields.get("rank"))
+            if data.epoch >= self.job.membership.epoch:
+                self.detectors.collective_failed(node, data.rank, data.error or "")
+        elif report.kind in RANK_EVENTS:
+            self.events.append(report.kind, node=node, **report.fields)
+            if isinstance(data, Agreement):
+                self.completion.agreed(data.epoch, data.committed_step)
+            elif isinstance(data, FirstStep):
+                self.completion.first_step(data)
+            elif isinstance(data, Released):
+                self.executor.orders.released(data.rank)
                 self.completion.released()
-        elif kind == ReportKind.RESUMED:
-            self.completion.resumed(fields)
-        elif kind == ReportKind.HEALTH_WARNING:
-            self._health_warning(node, fields)
+        elif isinstance(data, Resumed):
+            self.completion.resumed(data)
+        elif isinstance(data, HealthWarning):
+            self._health_warning(node, data)
 
-    def _health_warning(self, node: str, fields: Mapping[str, Any]) -> None:
+    def _health_warning(self, node: str, warning: HealthWarning) -> None:
         """Pre-emptive migration: the planner drains the node while it still works."""
         if node not in self.job.membership.active:
             return
-        status, summary = str(fields.get("status", "WARNING")), str(fields.get("summary", ""))
-        self.events.append(ev.HEALTH_WARNING, node=node, status=fields.get("status"), summary=summary)
-        self._recover([Fault(node, Detector.HEALTH_WARNING, f"{status}: {summary}")])
+        self.events.append(ev.HEALTH_WARNING, node=node, status=warning.status, summary=warning.summary)
+        self._recover([Fault(node, Detector.HEALTH_WARNING, f"{warning.status}: {warning.summary}")])
 
     # -- status --------------------------------------------------------------------
     def _write_status(self, force: bool = False) -> None:

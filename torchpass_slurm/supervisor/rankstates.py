@@ -22,6 +22,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from torchpass_slurm.control.rank_bodies import RankStateCopy
 from torchpass_slurm.control.rankstate import MAX_RANK_STATE_COPIES
 from torchpass_slurm.supervisor.membership import Membership
 
@@ -58,13 +59,13 @@ class RankStates:
         """Whether any of ``ranks`` has a copy (the job keeps rank state)."""
         return any(r in self._copies for r in ranks)
 
-    def accept(self, membership: Membership, node: str, sender: str, body: Mapping[str, Any]) -> bool:
-        """Keep the copy of a ``rank_state`` message (its body checked by the control plane) if its
-        rank is the sender's: task ``node/L`` holds rank ``rank_base(node) + L`` and no other."""
-        rank, local = body["rank"], sender.rsplit("/", 1)[-1]
+    def accept(self, membership: Membership, node: str, sender: str, copy: RankStateCopy) -> bool:
+        """Keep the copy of a ``rank_state`` message if its rank is the sender's: task ``node/L``
+        holds rank ``rank_base(node) + L`` and no other."""
+        rank, local = copy.rank, sender.rsplit("/", 1)[-1]
         held = membership.ranks_of(node) if node in membership.active else self._leaving.get(node)
         if held is None or not local.isdigit() or rank != held.start + int(local) or rank not in held:
             logger.warning("refused the rank state of rank %s from %s: not that task's rank", rank, sender)
             return False
-        self.offer(rank, body["step"], body["state"])
+        self.offer(rank, copy.step, copy.state)
         return True

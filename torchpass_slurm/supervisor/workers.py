@@ -17,9 +17,10 @@ import subprocess
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from torchpass_slurm import config as cfg
+from torchpass_slurm.control.rank_bodies import TaskBeat
 from torchpass_slurm.phase import Phase
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.slurm.steps import EXPANDED_NODE_UNSET
@@ -118,24 +119,23 @@ class WorkerStep:
         self.seen(sender, now, step, Phase.RECOVERING)
         self.tearing.add(sender)
 
-    def relayed(self, relay: str, tasks: Iterable[Sequence[Any]], now: float) -> None:
+    def relayed(self, relay: str, tasks: Iterable[TaskBeat], now: float) -> None:
         """The other tasks a per-node heartbeat from ``relay`` (its node's local rank 0) carries:
-        each ``[local_rank, rank, step, state, age_ms, alive]`` (checked by
-        ``control/messages.py``) marks ``NODE/local_rank`` heard ``age_ms`` before ``now``, with
-        its step and phase, unless something newer was heard from it, and records whether its
-        process lives. Local ranks outside the step, and the relay's own, are ignored."""
+        each (``control/rank_bodies.py``) marks ``NODE/local_rank`` heard ``age_ms`` before
+        ``now``, with its step and phase, unless something newer was heard from it, and records
+        whether its process lives. Local ranks outside the step, and the relay's own, are ignored."""
         self.relay = relay
         own = relay.rsplit("/", 1)[-1]
-        for local, _rank, step, phase, age_ms, *alive in tasks:
-            if local >= self.ntasks or str(local) == own:
+        for task in tasks:
+            if task.local_rank >= self.ntasks or str(task.local_rank) == own:
                 continue
-            sender, heard = f"{self.node}/{local}", now - age_ms / 1000
-            if alive and not alive[0]:
+            sender, heard = f"{self.node}/{task.local_rank}", now - task.age_ms / 1000
+            if task.alive is False:
                 self.gone.add(sender)
             else:
                 self.gone.discard(sender)
             if heard >= self.heartbeats.get(sender, heard):
-                self.seen(sender, heard, step, phase)
+                self.seen(sender, heard, task.step, task.state)
 
     def silent_for(self, now: float) -> float | None:
         """Seconds since the stalest task of this step that should still beat was heard from

@@ -15,6 +15,7 @@ import pytest
 from torchpass_slurm import config as cfg
 from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.control.messages import ReportKind
+from torchpass_slurm.control.rank_bodies import TaskBeat
 from torchpass_slurm.supervisor.loop import RunState
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.workers import StepLauncher, WorkerStep
@@ -173,13 +174,13 @@ def step_of(ntasks: int = 3) -> WorkerStep:
 def test_a_relayed_task_is_heard_age_ms_before_the_beat_never_later_than_recorded() -> None:
     step = step_of()
     step.seen("c1/0", 100.0, 7, "sync")
-    step.relayed("c1/0", [[1, 1, 7, "sync", 250], [2, 2, 6, "compute", 0]], 100.0)
+    step.relayed("c1/0", (TaskBeat(1, 1, 7, "sync", 250), TaskBeat(2, 2, 6, "compute", 0)), 100.0)
     assert step.heartbeats == {"c1/0": 100.0, "c1/1": 99.75, "c1/2": 100.0}
     assert step.phases["c1/1"] == (7, "sync") and step.phases["c1/2"] == (6, "compute")
     step.seen("c1/1", 101.0, 8, "compute")  # heard directly later (its hello, a direct beat)
-    step.relayed("c1/0", [[1, 1, 7, "sync", 900]], 101.5)  # an older beat: 100.6
+    step.relayed("c1/0", (TaskBeat(1, 1, 7, "sync", 900),), 101.5)  # an older beat: 100.6
     assert step.heartbeats["c1/1"] == 101.0 and step.phases["c1/1"] == (8, "compute")
-    step.relayed("c1/0", [[1, 1, 9, "sync", 100]], 102.0)
+    step.relayed("c1/0", (TaskBeat(1, 1, 9, "sync", 100),), 102.0)
     assert step.heartbeats["c1/1"] == pytest.approx(101.9) and step.phases["c1/1"] == (9, "sync")
     assert step.last_step == 9
 
@@ -187,7 +188,8 @@ def test_a_relayed_task_is_heard_age_ms_before_the_beat_never_later_than_recorde
 def test_a_relayed_entry_outside_the_step_or_of_the_relay_itself_is_ignored() -> None:
     step = step_of(ntasks=2)
     step.seen("c1/1", 100.0, 5, "sync")
-    step.relayed("c1/1", [[1, 1, 9, "compute", 0], [2, 2, 9, "compute", 0], [7, 7, 9, "compute", 0]], 101.0)
+    step.relayed("c1/1", (TaskBeat(1, 1, 9, "compute", 0), TaskBeat(2, 2, 9, "compute", 0),
+                               TaskBeat(7, 7, 9, "compute", 0)), 101.0)
     assert step.heartbeats == {"c1/1": 100.0} and step.phases["c1/1"] == (5, "sync")
     assert step.last_step == 5
 
@@ -196,7 +198,7 @@ def test_a_task_quiet_behind_its_relay_grows_silent() -> None:
     step = step_of(ntasks=2)
     for t in (10.0, 10.25, 10.5, 10.75, 11.0):
         step.seen("c1/0", t, 3, "sync")
-        step.relayed("c1/0", [[1, 1, 3, "sync", round((t - 10.0) * 1000)]], t)  # last beat at 10.0
+        step.relayed("c1/0", (TaskBeat(1, 1, 3, "sync", round((t - 10.0) * 1000)),), t)  # last beat at 10.0
     assert step.silent_for(11.0) == pytest.approx(1.0)
 
 
