@@ -13,9 +13,13 @@ A training script imports from here and from nowhere else in the package::
     trainer.close(); rt.close()
     leave(0)                                 # exit, skipping torch's teardown at shutdown
 
+A sharded model (FSDP2, HSDP) trains under ``ShardedTrainer(rt, build, layout)``, which
+returns the same ``ElasticTrainer`` configured with a sharded training state: one loop
+and one recovery path for every layout.
+
 The names below keep their meaning across releases. The modules they come from
 (``torchpass_slurm.rank.runtime``, ``.rank.elastic``, ``.rank.sharded``,
-``.rank.layout``, ``.rank.checkpoint``, ...) are internal: they may be split,
+``torchpass_slurm.mesh``, ``.rank.checkpoint``, ...) are internal: they may be split,
 renamed or moved without notice. ``checkpoint`` is the checkpoint module itself;
 its public names are its ``__all__`` (``save``, ``load_latest``, ``latest_step``,
 ``TrainState``, ``RNGState``, ``step_dir``).

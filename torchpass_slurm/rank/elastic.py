@@ -41,8 +41,8 @@ import datetime
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchpass_slurm.control.bodies import PromoteMode, Reconfigure
@@ -51,12 +51,18 @@ from torchpass_slurm.errors import CollectiveError, TransferError
 from torchpass_slurm.phase import Phase
 from torchpass_slurm.rank.group import destroy_group, release_kept, stacks_if_slow, tearing_down
 from torchpass_slurm.rank.handover import Handover
-from torchpass_slurm.rank.rankstate import RANK_STATE_KEY, RankState
+from torchpass_slurm.rank.rankstate import RankState
+from torchpass_slurm.rank.reconfigures import PendingReconfigures, leave_if_fenced
+from torchpass_slurm.rank.replicated import DEFAULT_DDP_KWARGS, ReplicatedState, with_rank_state
 from torchpass_slurm.rank.runtime import Runtime
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from torchpass_slurm.rank.training_state import TrainingState
+
+__all__ = ["ElasticTrainer", "is_comm_error", "DEFAULT_DDP_KWARGS", "collective_timeout", "leave_if_fenced"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,24 +76,6 @@ TEARDOWN_STACKS_S = 3.0
 KEEP_BROKEN_MARGIN_S = 5.0
 #: How long building an epoch's group waits for every rank to join.
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)
-
-#: The keyword arguments of every DDP wrap (the first, and the fresh one after each migration);
-#: ``ElasticTrainer(ddp_kwargs=...)`` overrides them key by key. ``find_unused_parameters=True``
-#: is here for bitwise determinism, not for unused parameters: it is the one setting under which
-#: DDP never rebuilds its buckets. Without it DDP puts every parameter in one bucket for a wrap's
-#: first step and rebuilds the buckets in gradient-ready order before the second, so the first
-#: step after a re-wrap (or a resume) reduces on another layout than the same step of a run never
-#: re-wrapped, and gloo sums an element in an order set by its place in the bucket. Measured with
-#: ``python -m benchmarks.ddp_determinism`` (torch 2.13 CPU, gloo, 3 processes, tiny_gpt d_model
-#: 128, 2 layers, AdamW, 30 steps): with the defaults, ``static_graph=True``,
-#: ``bucket_cap_mb=1024`` or ``gradient_as_bucket_view=True``, both a run re-wrapped before steps
-#: 10 and 20 and fresh processes resuming at step 10 first differ at step 10 and end with ~380,000
-#: of 466,432 parameters different; with ``find_unused_parameters=True`` all three runs end
-#: bitwise equal. So does one parameter per bucket (``bucket_cap_mb_list=[1e-6]``, a torch 2.13
-#: keyword that Debian's torch 2.6 lacks), at 1.3 to 2.3 times the step time. The extra
-#: autograd-graph traversal of ``find_unused_parameters=True`` did not show above the noise of a
-#: shared 2-core host: 3 runs measured the defaults -11 %, -29 % and +9 % against it.
-DEFAULT_DDP_KWARGS: Mapping[str, Any] = MappingProxyType({"find_unused_parameters": True})
 
 #: How torch.distributed's C++ layer words the plain RuntimeError it raises for a failed
 #: collective: the throw site first (``[.../gloo/transport/tcp/pair.cc:537] Read error ...``), the
@@ -141,15 +129,6 @@ def _is_comm_error_itself(exc: BaseException) -> bool:
     return type(exc) is RuntimeError and _TORCH_COMM_ERROR.search(str(exc)) is not None
 
 
-def leave_if_fenced(rt: Runtime, step: int) -> None:
-    """The supervisor told this rank to stop (its step was declared lost while it lived on:
-    a healed partition, a frozen process that woke up): it must not train on, nor wait for
-    an epoch it is no longer part of. Exits the process (status 1, with the reason)."""
-    if rt.stop_requested.is_set():
-        rt.log.error("fenced by the supervisor: leaving at step %d", step)
-        raise SystemExit(f"torchpass: this rank was fenced by the supervisor at step {step}")
-
-
 def collective_timeout() -> datetime.timedelta:
     """Timeout of one collective: ``TORCHPASS_COLLECTIVE_TIMEOUT`` (see config)."""
     from torchpass_slurm import config
@@ -171,10 +150,11 @@ def reconfigure_timeout() -> datetime.timedelta:
 
 
 class ElasticTrainer:
-    """A data-parallel training loop that carries on through a lost rank; see the module doc.
+    """A training loop that carries on through a lost rank, for every layout; see the module doc.
 
-    ``ddp_kwargs`` override :data:`DEFAULT_DDP_KWARGS` key by key; that constant's comment says
-    why it keeps ``find_unused_parameters=True`` (bitwise equality across a re-wrap).
+    What differs between DDP and a sharded model is the injected ``TrainingState``
+    (``rank/training_state.py``). This constructor is DDP's; :meth:`with_training_state` takes
+    any (``ShardedTrainer``). ``ddp_kwargs`` override :data:`DEFAULT_DDP_KWARGS` key by key.
     """
 
     def __init__(
@@ -190,31 +170,77 @@ class ElasticTrainer:
         start_step: int = 0,
         rank_state: Mapping[str, Any] | None = None,
     ) -> None:
+        training = ReplicatedState(model, optimizer, state, ddp_kwargs)
+        self._setup(rt, training, scheduler, backend, start_step, rank_state)
+        self.ddp_kwargs = training.ddp_kwargs
+
+    @classmethod
+    def with_training_state(
+        cls,
+        rt: Runtime,
+        training: TrainingState,
+        *,
+        scheduler: Any = None,
+        backend: str = "gloo",
+        start_step: int = 0,
+        rank_state: Mapping[str, Any] | None = None,
+    ) -> ElasticTrainer:
+        """The trainer of ``training``, a state of any layout (``rank/training_state.py``)."""
+        trainer = cls.__new__(cls)
+        trainer._setup(rt, training, scheduler, backend, start_step, rank_state)
+        return trainer
+
+    def _setup(
+        self,
+        rt: Runtime,
+        training: TrainingState,
+        scheduler: Any,
+        backend: str,
+        start_step: int,
+        rank_state: Mapping[str, Any] | None,
+    ) -> None:
         self.rt = rt
-        self.model = model
-        self.optimizer = optimizer
+        self.training = training
         self.scheduler = scheduler
-        self.state = dict(state)
-        self.handover = Handover(rt, self.state)
+        self.handover = Handover(rt, training)
         self.backend = backend
-        self.ddp_kwargs = {**DEFAULT_DDP_KWARGS, **(ddp_kwargs or {})}
+        self.ddp_kwargs = dict[str, Any]()  # the keyword arguments of every DDP wrap (DDP's alone)
         self.step = start_step
-        self.ddp_model: nn.Module = model
+        self._wrapped: nn.Module | None = None  # the module train_step is given, if not the model
         self.migrations = 0
         self._first_step_pending = False
         #: True once this rank left the job (its node was drained); the loop ends
         self.released = False
         self._started = False
-        self._pending: list[Reconfigure] = []
+        self.reconfigures = PendingReconfigures(rt)
         #: what belongs to this rank alone (its data loader position); None: nothing, no cost
         self.rank_state = RankState(rt, rank_state) if rank_state else None
 
     @property
+    def model(self) -> nn.Module:  # a sharded one is built at start() and again at every epoch
+        return self.training.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.training.optimizer
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self.training.state
+
+    @property
+    def ddp_model(self) -> nn.Module:
+        """The module ``train_step`` is given: the epoch's DDP wrapper, or the model itself."""
+        return self._wrapped if self._wrapped is not None else self.training.model
+
+    @ddp_model.setter
+    def ddp_model(self, module: nn.Module | None) -> None:
+        self._wrapped = module
+
+    @property
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint of this rank holds: ``state``, and the rank state beside it (save this)."""
-        if self.rank_state is None:
-            return self.state
-        return {**self.state, RANK_STATE_KEY: self.rank_state.checkpoint_entry()}
+        return with_rank_state(self.training.state, self.rank_state)
 
     @property
     def received_state(self) -> bool:
@@ -229,13 +255,13 @@ class ElasticTrainer:
         self._started = True
         if self.rt.world_size > 1 or (self.rt.info and self.rt.info.store_addr):
             self.rt.init_process_group(self.backend, collective_timeout(), RENDEZVOUS_TIMEOUT)
-        self.rt.report(ReportKind.LIVE_READY, step=self.step, epoch=self.rt.epoch, **self._get_ready())
+        self.rt.report(ReportKind.LIVE_READY, step=self.step, epoch=self.rt.epoch, **self.training.ready())
         promotion = self.rt.promotion
         if self.rt.is_spare_promoted and promotion is not None and promotion.mode == PromoteMode.LIVE:
             self.step = -1
             self._first_step_pending = True
             try:
-                self._receive_live()
+                self.step = self.handover.sync(self.step)  # built in ready(): nothing to renew
                 self._restore_rank_state(self.step)  # the lost rank's own, from the promotion
             except Exception as exc:  # judged below: the donor died mid-transfer, or a bug
                 self._recover_or_raise(exc)
@@ -244,27 +270,20 @@ class ElasticTrainer:
             self.rank_state.capture(self.step)
         self._wrap()
 
-    def _get_ready(self) -> dict[str, Any]:
-        """What :meth:`start` does in the group before it says ``live_ready``, and what that
-        report says besides the step (nothing here; a sharded trainer builds its mesh)."""
-        return {}
-
-    def _receive_live(self) -> None:
-        """A spare promoted live joins the first agreement and receives the state."""
-        self._sync_state()
-
     def resume_from_checkpoint(self, directory: Any) -> int:
-        """Load the newest checkpoint unless the state came live from a replica; the step."""
-        from torchpass_slurm.rank import checkpoint
-
+        """Load the newest checkpoint unless the state came live from a donor; the step."""
         if self.received_state or directory is None:
             return self.step
-        self.step = checkpoint.load_latest(self.checkpoint_state, directory) or 0
+        self.step = self.training.load_checkpoint(directory, self.rank_state) or 0
         if self.rank_state is not None:
             self.rank_state.capture(self.step)
         if self.rt.rank == 0:
             self.rt.report(ReportKind.RESUMED, step=self.step, epoch=self.rt.epoch)
         return self.step
+
+    def save_checkpoint(self, directory: Any, step: int, keep: int = 3) -> Path:
+        """Write the checkpoint of ``step`` (collective: every rank calls it); the folder."""
+        return self.training.save_checkpoint(directory, step, keep, self.rank_state)
 
     def close(self) -> None:
         """Leave the group together with the others (rank 0 may host the rendezvous)."""
@@ -285,7 +304,7 @@ class ElasticTrainer:
         loss = None
         while self.step < steps and not self.released:
             leave_if_fenced(self.rt, self.step)
-            self.optimizer.zero_grad(set_to_none=True)
+            self.training.optimizer.zero_grad(set_to_none=True)
             self.rt.state = Phase.COMPUTE  # SYNC once the DDP model's forward is called (_wrap)
             try:
                 loss = train_step(self.step, self.ddp_model)
@@ -313,8 +332,7 @@ class ElasticTrainer:
         switches once the last step is committed: the spare holds the rank when the job ends,
         and the drained node leaves live instead of the spare waiting for a group that never
         forms (its recovery stalls into a restart)."""
-        self._collect_reconfigures()
-        switch = self._take_pending(lambda b: b.planned)
+        switch = self.reconfigures.planned()
         if switch is not None:
             self.rt.log.info(
                 "the switch after step %s is past the last step: switching now", switch.switch_after
@@ -322,54 +340,20 @@ class ElasticTrainer:
             self._reconfigure(switch)
 
     def _planned_switch_due(self) -> Reconfigure | None:
-        """A planned migration whose switch step this rank has committed, if any.
+        """A planned migration whose switch step this rank has committed, if any."""
+        return self.reconfigures.switch_due(self.step)
 
-        The supervisor announces a drain as "switch after step S", S far enough
-        ahead that every rank hears of it first, so no collective is needed to
-        agree on it. A rank that heard too late finds its next collective
-        failing (the others left the group) and joins the new epoch through
-        the recovery path, at the step it committed last; the agreement there
-        takes the highest step anyway.
-        """
-        self._collect_reconfigures()
-        return self._take_pending(
-            lambda b: b.planned and (b.switch_after is None or self.step >= b.switch_after)
-        )
-
-    def _take_pending(self, wanted: Callable[[Reconfigure], bool]) -> Reconfigure | None:
-        """The oldest pending reconfigure of a newer epoch that is ``wanted`` (taken, older dropped)."""
-        for body in sorted(self._pending, key=lambda b: b.epoch):
-            if body.epoch > self.rt.epoch and wanted(body):
-                self._pending = [b for b in self._pending if b.epoch > body.epoch]
-                return body
-        return None
-
-    def _collect_reconfigures(self) -> None:
-        while True:
-            body = self.rt.wait_reconfigure(datetime.timedelta(0))
-            if body is None:
-                return
-            self._pending.append(body)
+    @property
+    def _pending(self) -> list[Reconfigure]:  # the reconfigures heard and not taken yet
+        return self.reconfigures.pending
 
     def _next_reconfigure(self, timeout: datetime.timedelta) -> Reconfigure | None:
         """The pending or next reconfigure for a newer epoch."""
-        deadline = time.monotonic() + timeout.total_seconds()
-        while True:
-            self._collect_reconfigures()
-            body = self._take_pending(lambda b: True)
-            if body is not None:
-                return body
-            leave_if_fenced(self.rt, self.step)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            got = self.rt.wait_reconfigure(datetime.timedelta(seconds=min(left, 0.5)))
-            if got is not None:
-                self._pending.append(got)
+        return self.reconfigures.next(timeout, self.step)
 
     def _commit(self) -> None:
         release_kept()  # broken groups whose work has timed out: their destructors return at once
-        self.optimizer.step()
+        self.training.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.step += 1
@@ -415,7 +399,7 @@ class ElasticTrainer:
             )
             keep_for = collective_timeout().total_seconds() + KEEP_BROKEN_MARGIN_S
             with tearing_down(exc, self.rt.log, keep_for=keep_for):
-                self.ddp_model = self.model  # the DDP wrapper holds the group
+                self._wrapped = None  # the DDP wrapper holds the group
 
     def _reconfigure(self, body: Reconfigure) -> None:
         self.rt.state = Phase.RECOVERING
@@ -427,22 +411,24 @@ class ElasticTrainer:
         self.rt.report(
             ReportKind.GROUP_REBUILT, seconds=round(time.monotonic() - started, 4), epoch=self.rt.epoch
         )
-        self._sync_state()
+        self._sync_state(body.leave if body.planned else ())
         self._restore_rank_state(self.step)
         self._wrap()
         self.migrations += 1
         self._first_step_pending = True
 
     def _release(self, body: Reconfigure) -> None:
-        """This rank's node is drained: hand over (a replica sends the state) and leave."""
-        destroy_group(self.rt.log)
+        """This rank's node is drained: hand over (:meth:`Handover.leave`) and leave."""
+        self.handover.leave(body, self.step)
         self.released = True
         self.rt.report(ReportKind.RELEASED, step=self.step, epoch=body.epoch)
         self.rt.log.info("released at step %d: this node is being drained", self.step)
 
-    def _sync_state(self) -> None:
-        """Agree on the committed step; ranks behind it receive the state from a replica."""
-        self.step = self.handover.sync(self.step)
+    def _sync_state(self, leaving: Collection[int] = ()) -> None:
+        """The state onto the new epoch's group, then the agreement on the committed step; ranks
+        behind it receive the state from a replica, or from a rank in ``leaving`` (a drain)."""
+        self.training.renew()
+        self.step = self.handover.sync(self.step, leaving)
 
     def _restore_rank_state(self, step: int) -> None:
         """After the agreement on ``step``: this rank's own state is the one of that step (its own
@@ -452,18 +438,11 @@ class ElasticTrainer:
             self.rank_state.restore(step, promotion.rank_state if promotion is not None else ())
 
     def _wrap(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            self.ddp_model = DDP(self.model, **self.ddp_kwargs)
-            self.ddp_model.register_forward_pre_hook(self._forward_called)
-        else:
-            self.ddp_model = self.model
+        """The model of this epoch's group (a fresh DDP wrapper, or none), hooked before its collectives."""
+        self._wrapped = self.training.wrap(self._forward_called)
 
     def _forward_called(self, *_: object) -> None:
-        """The DDP model's forward is called: its collectives start here (a buffer broadcast,
+        """The model's forward is called: its collectives start here (a buffer broadcast,
         then the backward's all-reduce). The hang detector tells a rank stuck before them from
         peers waiting in them (``torchpass_slurm.phase``). The batch of this step is drawn: the
         rank state is the one valid once it commits, and its copy leaves before the all-reduce."""

@@ -16,7 +16,7 @@ The manifest's ``meta`` holds the step, the shard metadata of the transfer (mesh
 rank's coordinate, each tensor's global shape, stride and placements), a crc32 of every
 chunk and, for a trainer with ``rank_state``, that rank's own state (its data loader's
 position: bounded JSON, checked as the control plane checks it). A load checks all of it
-against the rank's own mesh and freshly built model (``rank/shard_handover.py``'s checks),
+against the rank's own mesh and freshly built model (``rank/shard_state.py``'s checks),
 and every chunk against its checksum, before it writes one byte into the model. The folder
 is created private and renamed into place like a DCP checkpoint (``rank/checkpoint.py``'s
 helpers).
@@ -40,7 +40,7 @@ from torchpass_slurm.rank.checkpoint import (
     staged_save,
     step_dir,
 )
-from torchpass_slurm.rank.shard_state import load_local_state, local_state
+from torchpass_slurm.rank.shard_state import judge_shard_manifest, load_local_state, local_state, shard_meta
 
 if TYPE_CHECKING:
     import torch
@@ -72,7 +72,6 @@ def save(
 ) -> Path:
     """Write this rank's shards as part of the checkpoint of ``step`` (every rank calls it);
     ``rank_state`` (name -> Stateful with a JSON state_dict) is saved with them."""
-    from torchpass_slurm.rank.shard_handover import shard_meta
 
     def write(tmp: Path, rank: int) -> None:
         state, specs = local_state(model, optimizer)
@@ -190,7 +189,6 @@ def _read(
     """Check and load this rank's file into the model; the manifest's meta."""
     import torch
 
-    from torchpass_slurm.rank.shard_handover import judge_shard_manifest
     from torchpass_slurm.transfer.chunks import HEADER, ChunkMap, unpack_header
     from torchpass_slurm.transfer.manifest import DIGESTS, Manifest
     from torchpass_slurm.transfer.materialize import check_allocation, materialize

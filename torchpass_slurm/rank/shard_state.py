@@ -24,6 +24,11 @@ the new one alone, with the old group already destroyed; ``set_optimizer_state_d
 a fresh optimizer first runs one step with zero gradients and ``lr=0`` to create the
 state, then overwrites it, and the training continues bitwise equal to a run never
 rebuilt (``tests/unit/sharded``).
+
+A shard is taken, judged and loaded here: :func:`shard_meta` is what a donor's manifest says
+its shards are (the step, the mesh, the donor's coordinate, the specs), and
+:func:`judge_shard_manifest` the receiver's check of it against its own mesh and freshly
+built model before one byte is written (the handover's and the shard checkpoint's).
 """
 
 from __future__ import annotations
@@ -37,7 +42,20 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["local_state", "load_local_state", "expected_specs", "check_specs", "spec_of", "state_bytes"]
+    from torchpass_slurm.mesh import MeshLayout
+    from torchpass_slurm.transfer import Manifest
+
+__all__ = [
+    "local_state",
+    "load_local_state",
+    "expected_specs",
+    "check_specs",
+    "spec_of",
+    "state_bytes",
+    "shard_meta",
+    "judge_shard_manifest",
+    "local_shapes",
+]
 
 
 def _options() -> Any:
@@ -208,3 +226,74 @@ def state_bytes(state: Any) -> int:
     from torchpass_slurm.transfer.materialize import state_nbytes
 
     return state_nbytes(state)
+
+
+def local_shapes(state: Any, path: str = "") -> dict[str, tuple[int, ...]]:
+    """Path -> shape of every tensor of a local state (the manifest's paths)."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return {path: tuple(state.shape)}
+    out: dict[str, tuple[int, ...]] = {}
+    if isinstance(state, dict):
+        for key, value in state.items():
+            out.update(local_shapes(value, f"{path}/{key}"))
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            out.update(local_shapes(value, f"{path}/{i}"))
+    return out
+
+
+# --- what a shard transfer says it carries, and the receiver's judgement of it -----------
+
+
+def shard_meta(layout: MeshLayout, rank: int, step: int, specs: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest's ``meta`` of a shard transfer: the step and what the shards are."""
+    return {
+        "step": step,
+        "shards": {
+            "mesh": layout.to_json(),
+            "rank": rank,
+            "coord": list(layout.coord(rank)),
+            "specs": dict(specs),
+        },
+    }
+
+
+def judge_shard_manifest(
+    manifest: Manifest, layout: MeshLayout, rank: int, donor: int, step: int, model: nn.Module
+) -> None:
+    """Raise TransferError unless ``manifest`` holds ``donor``'s shards of step ``step`` and
+    they are the shards of this rank's coordinate on this rank's mesh and model."""
+    meta = manifest.meta if isinstance(manifest.meta, dict) else {}
+    shards = meta.get("shards")
+    if not isinstance(shards, dict):
+        raise TransferError(
+            f"the state from rank {donor} carries no shard metadata; this rank is sharded",
+            hint="donor and receiver must both run ShardedTrainer of the same torchpass-slurm version",
+        )
+    if meta.get("step") != step:
+        raise TransferError(
+            f"rank {donor} sent the state of step {meta.get('step')!r}; the agreed step is {step}"
+        )
+    if shards.get("mesh") != layout.to_json():
+        raise TransferError(
+            f"rank {donor} sent shards of the mesh {shards.get('mesh')!r}; "
+            f"this rank's mesh is {layout.to_json()}",
+            hint="every rank of the job must build the same mesh layout",
+        )
+    coord = shards.get("coord")
+    if shards.get("rank") != donor or coord != list(layout.coord(donor)):
+        raise TransferError(
+            f"the shards sent as rank {donor}'s say rank {shards.get('rank')!r} at {coord!r}; "
+            f"rank {donor} sits at {list(layout.coord(donor))} of {list(layout.shape)}"
+        )
+    if layout.shard_coord(donor) != layout.shard_coord(rank):
+        raise TransferError(
+            f"rank {donor} at {coord} holds another shard than rank {rank} at {list(layout.coord(rank))}",
+            hint="a donor must hold the same shard coordinate in another replica group",
+        )
+    specs = shards.get("specs")
+    if not isinstance(specs, dict):
+        raise TransferError(f"the shard metadata from rank {donor} has no tensor specs")
+    check_specs(specs, {e.path: e.shape for e in manifest.entries}, model, f"the state from rank {donor}")

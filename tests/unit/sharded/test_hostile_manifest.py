@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from torchpass_slurm.errors import NoReplicaError, TransferError
 from torchpass_slurm.mesh import MeshLayout
-from torchpass_slurm.rank.shard_handover import Agreement, judge_shard_manifest, plan_shard_donors, shard_meta
-from torchpass_slurm.rank.shard_state import local_state
+from torchpass_slurm.rank.handover import Agreement, plan_donors
+from torchpass_slurm.rank.shard_state import judge_shard_manifest, local_state, shard_meta
 from torchpass_slurm.transfer import SocketTransport, recv_state, send_state
 
 from ..gloo_ranks import loopback_store
@@ -133,7 +133,7 @@ HSDP = MeshLayout(("replicate", "shard"), (2, 2))
 ], ids=["hsdp", "hsdp-rank0", "ddp", "fsdp-drain", "hsdp-drain", "fsdp-lost", "shard-lost"])
 def test_donors(layout: MeshLayout, held: tuple[int, ...], leaving: tuple[int, ...],
                 plan: dict[int, int]) -> None:
-    assert plan_shard_donors(layout, Agreement(max(held), held, frozenset(leaving))) == plan
+    assert plan_donors(layout, Agreement(max(held), held, frozenset(leaving))) == plan
 
 
 def test_no_replica_is_its_own_error() -> None:

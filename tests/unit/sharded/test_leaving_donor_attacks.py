@@ -23,8 +23,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from torchpass_slurm.errors import TransferError  # noqa: E402
+from torchpass_slurm.rank.handover import DONOR_KEY, LeavingDonor, connect_to_leaving  # noqa: E402
 from torchpass_slurm.rank.rendezvous import make_tcp_store  # noqa: E402
-from torchpass_slurm.rank.shard_handover import DONOR_KEY, LeavingDonor, connect_to_leaving  # noqa: E402
 from torchpass_slurm.transfer import SocketListener, SocketTransport, recv_state  # noqa: E402
 from torchpass_slurm.transfer.seal import CHALLENGE_BYTES, Seal  # noqa: E402
 from torchpass_slurm.transfer.socket_transport import MAX_PENDING  # noqa: E402
