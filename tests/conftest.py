@@ -19,8 +19,9 @@ def docker_problem() -> str | None:
     if shutil.which("docker") is None:
         return "docker is not installed"
     try:
-        proc = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"],
-                              capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(
+            ["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True, timeout=30
+        )
     except subprocess.TimeoutExpired:
         return "`docker info` did not answer within 30 s"
     if proc.returncode != 0:
@@ -42,7 +43,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if in_ci():
         raise pytest.UsageError(
             f"CI=true but the cluster tests cannot run: {problem}. "
-            ".ci/run installs docker.io and starts dockerd; see docs/dev-cluster.md.")
+            ".ci/run installs docker.io and starts dockerd; see docs/dev-cluster.md."
+        )
     skip = pytest.mark.skip(reason=f"cluster tests need Docker ({problem}); CI runs them")
     for item in cluster_items:
         item.add_marker(skip)

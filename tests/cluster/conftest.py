@@ -30,7 +30,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if call.when == "setup":
         item.stash[_FIRST_JOB] = len(SUBMITTED)
     elif report.failed and call.when == "call":
-        for job in SUBMITTED[item.stash.get(_FIRST_JOB, 0):]:
+        for job in SUBMITTED[item.stash.get(_FIRST_JOB, 0) :]:
             report.sections.append((f"tp job {job.job_id}", post_mortem(job)))
 
 
@@ -68,9 +68,14 @@ def reference_hash(cluster: Cluster) -> str:
     """The fault-free run: 3 active nodes + 1 spare; also the 'done when' of tp-submit."""
     cluster.ensure_healthy()
     job = submit(cluster, "-N", "3", "--spares", "1")
-    wait_for(lambda: job.host_run_dir.joinpath("status.json").exists() and
-             all(n["state"] in ("running", "standby") for n in job.status()["nodes"]),
-             timeout=120, what="every step up")
+    wait_for(
+        lambda: (
+            job.host_run_dir.joinpath("status.json").exists()
+            and all(n["state"] in ("running", "standby") for n in job.status()["nodes"])
+        ),
+        timeout=120,
+        what="every step up",
+    )
     allocated = cluster.job_nodes(job.job_id)
     assert len(allocated) == 4
     roles = sorted(n["role"] for n in job.status()["nodes"])

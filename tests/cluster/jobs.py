@@ -12,9 +12,25 @@ from scripts.devcluster import Cluster, wait_for
 
 EXAMPLE = "/src/sbatch-examples/tiny_gpt_tp.sbatch"
 #: Small enough for seconds per run, long enough (with the sleep) to kill a node mid-run.
-TRAIN_ARGS = ("--d-model", "64", "--n-layers", "2", "--context", "32", "--steps", "24",
-              "--ckpt-every", "4", "--log-every", "4", "--step-sleep", "0.4")
-DONE = re.compile(r"^done step=(\d+) loss=(\S+) params_sha256=([0-9a-f]{64}) optim_sha256=([0-9a-f]{64})$", re.MULTILINE)
+TRAIN_ARGS = (
+    "--d-model",
+    "64",
+    "--n-layers",
+    "2",
+    "--context",
+    "32",
+    "--steps",
+    "24",
+    "--ckpt-every",
+    "4",
+    "--log-every",
+    "4",
+    "--step-sleep",
+    "0.4",
+)
+DONE = re.compile(
+    r"^done step=(\d+) loss=(\S+) params_sha256=([0-9a-f]{64}) optim_sha256=([0-9a-f]{64})$", re.MULTILINE
+)
 
 
 @dataclass
@@ -44,16 +60,25 @@ class TpJob:
         return self.cluster.tp_step(self.job_id)
 
     def wait_step(self, step: int, timeout: float = 180) -> None:
-        wait_for(lambda: self.last_step() >= step, timeout=timeout,
-                 what=f"job {self.job_id} at step {step}", interval=1)
+        wait_for(
+            lambda: self.last_step() >= step,
+            timeout=timeout,
+            what=f"job {self.job_id} at step {step}",
+            interval=1,
+        )
 
 
 #: Every job submitted by this test session, so that a failed test can show what its jobs did.
 SUBMITTED: list[TpJob] = []
 
 
-def submit(c: Cluster, *tp_args: str, train_args: tuple[str, ...] = TRAIN_ARGS,
-           env: dict[str, str] | None = None, example: str = EXAMPLE) -> TpJob:
+def submit(
+    c: Cluster,
+    *tp_args: str,
+    train_args: tuple[str, ...] = TRAIN_ARGS,
+    env: dict[str, str] | None = None,
+    example: str = EXAMPLE,
+) -> TpJob:
     """tp-submit an example (the DDP one by default) on ctl; ``env`` reaches every rank
     (sbatch exports it)."""
     run_dir = f"/shared/runs/{uuid.uuid4().hex[:8]}"

@@ -25,10 +25,20 @@ ENDS_WITHIN_S = 60.0
 
 
 def test_without_a_supervisor_partition_tp_submit_says_the_first_node_is_not_replaceable(
-        cluster: Cluster) -> None:
+    cluster: Cluster,
+) -> None:
     """The note is shown once per user: a fresh state folder stands for a user's first submit."""
-    proc = cluster.exec("ctl", "tp-submit", "--dry-run", "-N", "3", "--spares", "1", EXAMPLE,
-                        env={"XDG_STATE_HOME": f"/tmp/tp-note-{time.monotonic_ns()}"})
+    proc = cluster.exec(
+        "ctl",
+        "tp-submit",
+        "--dry-run",
+        "-N",
+        "3",
+        "--spares",
+        "1",
+        EXAMPLE,
+        env={"XDG_STATE_HOME": f"/tmp/tp-note-{time.monotonic_ns()}"},
+    )
     said = proc.stdout + proc.stderr
     assert "no supervisor partition is configured" in said and "cannot be replaced" in said, said
     again = cluster.exec("ctl", "tp-submit", "--dry-run", "-N", "3", EXAMPLE)
@@ -37,8 +47,12 @@ def test_without_a_supervisor_partition_tp_submit_says_the_first_node_is_not_rep
 
 def wait_ended(c: Cluster, job: TpJob, since: float) -> tuple[str, float]:
     """The job's state once it left RUNNING, and the seconds since ``since``."""
-    wait_for(lambda: c.job_field(job.job_id, "JobState") not in ("RUNNING", "PENDING"),
-             timeout=ENDS_WITHIN_S + 30, what=f"job {job.job_id} to leave RUNNING", interval=1)
+    wait_for(
+        lambda: c.job_field(job.job_id, "JobState") not in ("RUNNING", "PENDING"),
+        timeout=ENDS_WITHIN_S + 30,
+        what=f"job {job.job_id} to leave RUNNING",
+        interval=1,
+    )
     return c.job_field(job.job_id, "JobState"), time.monotonic() - since
 
 
@@ -52,15 +66,20 @@ def assert_says_supervisor_lost(c: Cluster, job: TpJob, dead: str) -> None:
 
 
 def test_the_job_ends_soon_after_its_batch_host_dies_mid_migration_and_says_why(
-        healthy_cluster: Cluster) -> None:
+    healthy_cluster: Cluster,
+) -> None:
     c = healthy_cluster
     job = submit(c, "-N", "3", "--spares", "1")
     job.wait_step(5)
     batch_host = c.job_field(job.job_id, "BatchHost")
     c.kill(c.tp_victim(job.job_id))
     events = job.host_run_dir / "events.jsonl"
-    wait_for(lambda: '"migration_started"' in events.read_text(), timeout=60,
-             what="the migration after the first power cut", interval=0.05)
+    wait_for(
+        lambda: '"migration_started"' in events.read_text(),
+        timeout=60,
+        what="the migration after the first power cut",
+        interval=0.05,
+    )
     time.sleep(0.25)
     c.kill(batch_host)
     state, ended_after = wait_ended(c, job, time.monotonic())
@@ -71,7 +90,8 @@ def test_the_job_ends_soon_after_its_batch_host_dies_mid_migration_and_says_why(
 
 
 def test_when_the_supervisors_own_node_dies_the_ranks_end_the_job_and_say_why(
-        healthy_cluster: Cluster) -> None:
+    healthy_cluster: Cluster,
+) -> None:
     """The supervisor in its own component (issue 15, item 6): its node is the one thing the job
     cannot lose. Slurm alone would keep the job (the training component runs on); the ranks
     see the supervisor gone and end it. Its checkpoints are in the run folder: resubmit."""

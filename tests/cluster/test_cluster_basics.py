@@ -28,7 +28,11 @@ DOWN_MARGIN_S = 60.0
 def test_every_node_comes_up_idle(cluster: Cluster) -> None:
     names = subprocess.run(
         ["docker", "ps", "--filter", f"name=^{PROJECT}-", "--format", "{{.Names}}"],
-        capture_output=True, text=True, timeout=30, check=True).stdout.split()
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout.split()
     names = [n for n in names if n.split("-", 1)[1] in ("ctl", *COMPUTE, *SERVICE)]
     assert sorted(names) == sorted([f"{PROJECT}-{n}" for n in ("ctl", *COMPUTE, *SERVICE)])
     assert cluster.node_states() == {n: "idle" for n in COMPUTE + SERVICE}
@@ -38,8 +42,9 @@ def test_every_node_comes_up_idle(cluster: Cluster) -> None:
 
 def test_three_node_batch_job_output_is_read_back(healthy_cluster: Cluster) -> None:
     tag = uuid.uuid4().hex[:8]
-    job = healthy_cluster.sbatch("-N", "3", "-o", f"/shared/basic-{tag}.out",
-                                 "--wrap", "srun -l hostname | sort")
+    job = healthy_cluster.sbatch(
+        "-N", "3", "-o", f"/shared/basic-{tag}.out", "--wrap", "srun -l hostname | sort"
+    )
     assert healthy_cluster.wait_job_done(job, timeout=120) == "COMPLETED"
     lines = healthy_cluster.read_shared(f"basic-{tag}.out").split()
     # `srun -l` prefixes every line with the task id: "0: c1" ...
@@ -51,30 +56,43 @@ def test_three_node_batch_job_output_is_read_back(healthy_cluster: Cluster) -> N
 def test_killed_node_is_reported_down(healthy_cluster: Cluster) -> None:
     started = time.monotonic()
     healthy_cluster.kill("c2")
-    state = wait_for(lambda: (s := healthy_cluster.node_states()["c2"]).startswith("down") and s,
-                     timeout=SLURMD_TIMEOUT_S + DOWN_MARGIN_S, what="c2 DOWN in sinfo", interval=2)
+    state = wait_for(
+        lambda: (s := healthy_cluster.node_states()["c2"]).startswith("down") and s,
+        timeout=SLURMD_TIMEOUT_S + DOWN_MARGIN_S,
+        what="c2 DOWN in sinfo",
+        interval=2,
+    )
     elapsed = time.monotonic() - started
     assert state == "down*", state  # '*': not responding, as after a power loss
     assert "DOWN" in healthy_cluster.node_json("c2")["state"]
     print(f"c2 reported DOWN {elapsed:.0f} s after the kill")
 
 
-def test_partitioned_node_stops_responding_and_heal_brings_it_back(
-        healthy_cluster: Cluster) -> None:
+def test_partitioned_node_stops_responding_and_heal_brings_it_back(healthy_cluster: Cluster) -> None:
     healthy_cluster.partition("c4")
-    wait_for(lambda: healthy_cluster.node_states()["c4"].endswith("*"),
-             timeout=SLURMD_TIMEOUT_S + DOWN_MARGIN_S, what="c4 not responding", interval=2)
+    wait_for(
+        lambda: healthy_cluster.node_states()["c4"].endswith("*"),
+        timeout=SLURMD_TIMEOUT_S + DOWN_MARGIN_S,
+        what="c4 not responding",
+        interval=2,
+    )
     assert "NOT_RESPONDING" in healthy_cluster.node_json("c4")["state"]
     healthy_cluster.heal("c4")
-    wait_for(lambda: healthy_cluster.node_states()["c4"] == "idle",
-             timeout=SLURMD_TIMEOUT_S + DOWN_MARGIN_S, what="c4 idle again", interval=2)
+    wait_for(
+        lambda: healthy_cluster.node_states()["c4"] == "idle",
+        timeout=SLURMD_TIMEOUT_S + DOWN_MARGIN_S,
+        what="c4 idle again",
+        interval=2,
+    )
 
 
 # Each step writes a start line, then a tick a second until the release file
 # exists (the test creates it once it has seen what it came to see), then done.
-STEP = ('d={dir}; n=$(hostname); echo "start $n" > $d/$n.out; i=0; '
-        'while [ ! -e $d/release ] && [ $i -lt 240 ]; do i=$((i+1)); echo "tick $i" >> $d/$n.out; '
-        'sleep 1; done; echo "done $n" >> $d/$n.out')
+STEP = (
+    'd={dir}; n=$(hostname); echo "start $n" > $d/$n.out; i=0; '
+    'while [ ! -e $d/release ] && [ $i -lt 240 ]; do i=$((i+1)); echo "tick $i" >> $d/$n.out; '
+    'sleep 1; done; echo "done $n" >> $d/$n.out'
+)
 BATCH = """#!/bin/bash
 for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
     srun --no-kill -N1 -n1 -w "$n" bash -c '{step}' &
@@ -117,8 +135,12 @@ def _kill_one_node_mid_job(c: Cluster, job: str, host_dir: Path) -> None:
         job_nodes = c.job_nodes(job)
         return job_nodes if victim not in job_nodes else None
 
-    job_nodes = wait_for(job_nodes_without_victim, timeout=SLURMD_TIMEOUT_S + DOWN_MARGIN_S,
-                         what=f"{victim} removed from job {job}", interval=2)
+    job_nodes = wait_for(
+        job_nodes_without_victim,
+        timeout=SLURMD_TIMEOUT_S + DOWN_MARGIN_S,
+        what=f"{victim} removed from job {job}",
+        interval=2,
+    )
     assert sorted(job_nodes) == sorted(survivors)
     assert c.job_field(job, "JobState") == "RUNNING"
     ticks = {n: _ticks(host_dir, n) for n in survivors}
@@ -134,5 +156,4 @@ def _kill_one_node_mid_job(c: Cluster, job: str, host_dir: Path) -> None:
 
 
 def _ticks(host_dir: Path, node: str) -> int:
-    return sum(1 for line in (host_dir / f"{node}.out").read_text().splitlines()
-               if line.startswith("tick"))
+    return sum(1 for line in (host_dir / f"{node}.out").read_text().splitlines() if line.startswith("tick"))

@@ -32,8 +32,14 @@ from tests.cluster.test_live_migration import assert_all_live
 pytestmark = pytest.mark.cluster
 
 #: The other tests' training with a state of several chunks.
-ARGS = (*TRAIN_ARGS[: TRAIN_ARGS.index("--d-model")], "--d-model", "128", "--n-layers", "4",
-        *TRAIN_ARGS[TRAIN_ARGS.index("--context"):])
+ARGS = (
+    *TRAIN_ARGS[: TRAIN_ARGS.index("--d-model")],
+    "--d-model",
+    "128",
+    "--n-layers",
+    "4",
+    *TRAIN_ARGS[TRAIN_ARGS.index("--context") :],
+)
 #: The donor waits this long before chunk 1: the test's window to kill it mid-stream.
 STALL_S = 8
 ENV = {"TORCHPASS_TEST_STALL_CHUNK": f"1:{STALL_S}"}
@@ -70,8 +76,12 @@ def kill_mid_stream(c: Cluster, job: TpJob, who: str, kill: Callable[[str], None
     nodes = rank_nodes(job)
     victim = nodes[2]
     c.kill(victim)
-    agreement = wait_for(lambda: next((e for e in events(job) if e["kind"] == "agreement"), None),
-                         timeout=60, what="the recovery's agreement", interval=0.1)
+    agreement = wait_for(
+        lambda: next((e for e in events(job) if e["kind"] == "agreement"), None),
+        timeout=60,
+        what="the recovery's agreement",
+        interval=0.1,
+    )
     assert agreement["receivers"] == [2] and agreement["donors"] == [0, 1], agreement
     spare = next(e["node"] for e in events(job) if e["kind"] == "spare_promoted")
     second = {"donor": nodes[0], "receiver": spare, "bystander": nodes[1]}[who]
@@ -91,8 +101,9 @@ def check(c: Cluster, job: TpJob, reference: str, victim: str, second: str, *, r
     transfers = [e for e in log if e["kind"] == "transfer_done"]
     assert transfers and all(t["sealed"] for t in transfers), transfers
     if resumed:
-        assert any(t["resumed_from"] >= 1 for t in transfers), \
+        assert any(t["resumed_from"] >= 1 for t in transfers), (
             f"no transfer resumed after the chunks the dead donor had sent: {transfers}"
+        )
     # One recovery: the second loss folded into the next epoch, which replaced both nodes.
     assert [sorted(d["failed"]) for d in log if d["kind"] == "migration_done"] == [sorted([victim, second])]
     assert_all_live(c, job, 2, recoveries=1)
@@ -115,8 +126,17 @@ def test_a_death_mid_stream_folds_into_one_live_recovery(
     healthy_cluster: Cluster, reference: str, who: str, how: str, resumed: bool, spares: int
 ) -> None:
     c = healthy_cluster
-    job = submit(c, "--supervisor-partition", SERVICE_PARTITION, "-N", "3", "--spares", str(spares),
-                 train_args=ARGS, env=ENV)
+    job = submit(
+        c,
+        "--supervisor-partition",
+        SERVICE_PARTITION,
+        "-N",
+        "3",
+        "--spares",
+        str(spares),
+        train_args=ARGS,
+        env=ENV,
+    )
     kill = c.kill if how == "node" else (lambda node: kill_rank(c, node))
     victim, second = kill_mid_stream(c, job, who, kill)
     log = check(c, job, reference, victim, second, resumed=resumed)

@@ -19,8 +19,15 @@ from tests.cluster.jobs import active_victim, final_hash, submit
 
 pytestmark = pytest.mark.cluster
 
-GPU = {"index": 0, "uuid": "GPU-0", "temperature_c": 60, "slowdown_c": 88, "shutdown_c": 95,
-       "ecc_corrected": 0, "ecc_uncorrected": 0}
+GPU = {
+    "index": 0,
+    "uuid": "GPU-0",
+    "temperature_c": 60,
+    "slowdown_c": 88,
+    "shutdown_c": 95,
+    "ecc_corrected": 0,
+    "ecc_uncorrected": 0,
+}
 
 
 @pytest.fixture
@@ -40,7 +47,8 @@ def reason(c: Cluster, node: str) -> str:
 
 
 def test_prolog_drains_a_node_with_a_lost_gpu_and_the_job_runs_elsewhere(
-        healthy_cluster: Cluster, health_dir: Path) -> None:
+    healthy_cluster: Cluster, health_dir: Path
+) -> None:
     c = healthy_cluster
     (health_dir / "c1.json").write_text(json.dumps({"gpus": [GPU, {"index": 1, "lost": True}]}))
     tag = uuid.uuid4().hex[:8]
@@ -64,12 +72,23 @@ def test_a_broken_gpu_library_never_drains(healthy_cluster: Cluster, health_dir:
     assert c.wait_job_done(job, timeout=120) == "COMPLETED"
     assert c.read_shared(f"broken-{tag}.out").split() == ["c1"]
     assert c.node_states()["c1"] == "idle"
-    assert c.exec("ctl", "tp", "health", "check", "--json", check=False, env={
-        "TORCHPASS_HEALTH_SIMULATE": "/shared/health/c1.json"}).returncode == 3  # UNKNOWN
+    assert (
+        c.exec(
+            "ctl",
+            "tp",
+            "health",
+            "check",
+            "--json",
+            check=False,
+            env={"TORCHPASS_HEALTH_SIMULATE": "/shared/health/c1.json"},
+        ).returncode
+        == 3
+    )  # UNKNOWN
 
 
 def test_rising_ecc_counts_migrate_the_node_before_it_fails(
-        healthy_cluster: Cluster, health_dir: Path, reference_hash: str) -> None:
+    healthy_cluster: Cluster, health_dir: Path, reference_hash: str
+) -> None:
     c = healthy_cluster
     tag = uuid.uuid4().hex[:8]
     sim = health_dir / f"agent-{tag}"
@@ -77,15 +96,27 @@ def test_rising_ecc_counts_migrate_the_node_before_it_fails(
     (sim / "health.toml").write_text('disk_paths = ["/shared"]\necc_rate_min_interval_s = 1.0\n')
     for node in ("c1", "c2", "c3", "c4", "c5"):
         (sim / f"{node}.json").write_text(json.dumps({"gpus": [GPU]}))
-    job = submit(c, "-N", "3", "--spares", "1", env={
-        "TORCHPASS_HEALTH_SIMULATE": f"/shared/health/agent-{tag}/{{node}}.json",
-        "TORCHPASS_HEALTH_CONFIG": f"/shared/health/agent-{tag}/health.toml",
-        "TORCHPASS_HEALTH_INTERVAL": "1"})
+    job = submit(
+        c,
+        "-N",
+        "3",
+        "--spares",
+        "1",
+        env={
+            "TORCHPASS_HEALTH_SIMULATE": f"/shared/health/agent-{tag}/{{node}}.json",
+            "TORCHPASS_HEALTH_CONFIG": f"/shared/health/agent-{tag}/health.toml",
+            "TORCHPASS_HEALTH_INTERVAL": "1",
+        },
+    )
     job.wait_step(5)
     node = active_victim(c, job)
     (sim / f"{node}.json").write_text(json.dumps({"gpus": [{**GPU, "ecc_corrected": 50_000}]}))
-    wait_for(lambda: c.node_states()[node] == "drained", timeout=120,
-             what=f"{node} drained and released", interval=2)
+    wait_for(
+        lambda: c.node_states()[node] == "drained",
+        timeout=120,
+        what=f"{node} drained and released",
+        interval=2,
+    )
     assert reason(c, node).startswith("torchpass: pre-emptive"), reason(c, node)
     assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
     events = job.events()

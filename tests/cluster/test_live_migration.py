@@ -28,8 +28,12 @@ def migrations_done(job: TpJob) -> list[dict]:
 
 
 def wait_migrated(job: TpJob, count: int, timeout: float = 180) -> None:
-    wait_for(lambda: len(migrations_done(job)) >= count, timeout=timeout,
-             what=f"{count} migration(s) of job {job.job_id} done", interval=1)
+    wait_for(
+        lambda: len(migrations_done(job)) >= count,
+        timeout=timeout,
+        what=f"{count} migration(s) of job {job.job_id} done",
+        interval=1,
+    )
 
 
 def report(c: Cluster, job: TpJob) -> dict:
@@ -48,8 +52,10 @@ def assert_all_live(c: Cluster, job: TpJob, faults: int, recoveries: int | None 
     assert summary["faults"] == faults and summary["no_lost_progress"] == faults, summary
     assert summary["by_resolution"]["live"]["faults"] == faults, summary
     noun = "fault" if faults == 1 else "faults"
-    assert f"{faults} of {faults} {noun} resolved by live migration with 0 committed steps lost" \
-        in summary["text"], summary
+    assert (
+        f"{faults} of {faults} {noun} resolved by live migration with 0 committed steps lost"
+        in summary["text"]
+    ), summary
 
 
 def two_faults(c: Cluster, job: TpJob, inject: Callable[[str], None]) -> tuple[str, str]:
@@ -67,7 +73,8 @@ def two_faults(c: Cluster, job: TpJob, inject: Callable[[str], None]) -> tuple[s
 
 
 def test_two_node_kills_migrate_live_with_bitwise_equal_state(
-        healthy_cluster: Cluster, reference_hash: str) -> None:
+    healthy_cluster: Cluster, reference_hash: str
+) -> None:
     c = healthy_cluster
     job = submit(c, "-N", "3", "--spares", "2")
     first, second = two_faults(c, job, c.kill)
@@ -82,12 +89,14 @@ def test_two_node_kills_migrate_live_with_bitwise_equal_state(
 
 
 def test_two_rank_kills_migrate_live_with_bitwise_equal_state(
-        healthy_cluster: Cluster, reference_hash: str) -> None:
+    healthy_cluster: Cluster, reference_hash: str
+) -> None:
     c = healthy_cluster
     job = submit(c, "-N", "3", "--spares", "2")
     first, second = two_faults(c, job, lambda node: kill_rank(c, node))
-    blamed = [e["node"] for e in job.events()
-              if e["kind"] == "step_exited" and e.get("exit_code") not in (0, None)]
+    blamed = [
+        e["node"] for e in job.events() if e["kind"] == "step_exited" and e.get("exit_code") not in (0, None)
+    ]
     assert blamed == [first, second], job.events()
     assert_all_live(c, job, 2)
     assert final_hash(job) == reference_hash
@@ -106,24 +115,31 @@ def test_corrupted_chunk_is_fetched_again(healthy_cluster: Cluster, reference_ha
 
 
 def test_admin_drain_moves_the_job_to_a_spare_and_frees_the_node(
-        healthy_cluster: Cluster, reference_hash: str) -> None:
+    healthy_cluster: Cluster, reference_hash: str
+) -> None:
     c = healthy_cluster
     job = submit(c, "-N", "3", "--spares", "1")
     job.wait_step(5)
     node = active_victim(c, job)
-    c.exec("ctl", "scontrol", "update", f"nodename={node}", "state=drain",
-           "reason=maintenance window")
-    wait_for(lambda: c.node_states()[node] == "drained", timeout=120,
-             what=f"{node} DRAINED (released by the job)", interval=2)
-    assert node not in c.exec("ctl", "scontrol", "show", "hostnames",
-                              c.job_field(job.job_id, "NodeList")).stdout.split()
+    c.exec("ctl", "scontrol", "update", f"nodename={node}", "state=drain", "reason=maintenance window")
+    wait_for(
+        lambda: c.node_states()[node] == "drained",
+        timeout=120,
+        what=f"{node} DRAINED (released by the job)",
+        interval=2,
+    )
+    assert (
+        node
+        not in c.exec(
+            "ctl", "scontrol", "show", "hostnames", c.job_field(job.job_id, "NodeList")
+        ).stdout.split()
+    )
     assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
     events = job.events()
     started = [e for e in events if e["kind"] == "migration_started"]
     assert len(started) == 1 and started[0]["mode"] == "planned", events
     done = migrations_done(job)
-    assert [(d["resolution"], d["lost_steps"], d["recomputed_steps"]) for d in done] \
-        == [("live", 0, 0)], done
+    assert [(d["resolution"], d["lost_steps"], d["recomputed_steps"]) for d in done] == [("live", 0, 0)], done
     assert [e["released"] for e in events if e["kind"] == "node_released"] == [True]
     assert not [e for e in events if e["kind"] in ("heartbeat_lost", "rank_hung", "node_down", "restarted")]
     assert final_hash(job) == reference_hash
@@ -138,7 +154,8 @@ def slow_steps(seconds: float) -> tuple[str, ...]:
 
 
 def test_a_partitioned_node_migrates_live_and_is_fenced_when_it_comes_back(
-        healthy_cluster: Cluster, reference_hash: str) -> None:
+    healthy_cluster: Cluster, reference_hash: str
+) -> None:
     c = healthy_cluster
     job = submit(c, "-N", "3", "--spares", "1", train_args=slow_steps(1.0))
     job.wait_step(5)
@@ -146,8 +163,12 @@ def test_a_partitioned_node_migrates_live_and_is_fenced_when_it_comes_back(
     c.partition(victim)
     wait_migrated(job, 1)
     c.heal(victim)  # its old rank still runs, in the old epoch, and reconnects
-    wait_for(lambda: [e for e in job.events() if e["kind"] == "fenced"], timeout=60,
-             what=f"the old rank on {victim} fenced", interval=1)
+    wait_for(
+        lambda: [e for e in job.events() if e["kind"] == "fenced"],
+        timeout=60,
+        what=f"the old rank on {victim} fenced",
+        interval=1,
+    )
     assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
     events = job.events()
     (lost,) = [e for e in events if e["kind"] == "heartbeat_lost"]
@@ -162,7 +183,8 @@ def test_a_partitioned_node_migrates_live_and_is_fenced_when_it_comes_back(
 
 
 def test_a_node_cut_off_for_40_s_is_replaced_live_and_its_rank_leaves_alone(
-        healthy_cluster: Cluster, reference_hash: str) -> None:
+    healthy_cluster: Cluster, reference_hash: str
+) -> None:
     """No split brain (issue 22): the cut-off rank loses its supervisor for longer than its
     grace (15 s) but reads the supervisor's fresh lease in the run folder, so it leaves alone:
     it neither cancels the job nor records a supervisor loss."""
@@ -173,6 +195,7 @@ def test_a_node_cut_off_for_40_s_is_replaced_live_and_its_rank_leaves_alone(
     c.partition(victim)
     cut = time.monotonic()
     wait_migrated(job, 1)
+
     # the old rank gives up on its supervisor and leaves while still cut off (its log line
     # cannot reach the job's output: srun collects it over the cut network)
     def left() -> bool:
@@ -212,7 +235,8 @@ def test_a_hung_rank_is_replaced_live(healthy_cluster: Cluster, reference_hash: 
 
 
 def test_a_rank_stuck_in_python_that_still_heartbeats_is_replaced_live(
-        healthy_cluster: Cluster, reference_hash: str) -> None:
+    healthy_cluster: Cluster, reference_hash: str
+) -> None:
     c = healthy_cluster
     job = submit(c, "-N", "3", "--spares", "1", train_args=(*TRAIN_ARGS, "--hang-on-sigusr1"))
     job.wait_step(5)

@@ -30,8 +30,9 @@ KILL_LOCAL_1 = (
 
 def beat_sockets(c: Cluster, job: TpJob, node: str) -> str:
     """The node-local beat sockets of the job on ``node`` (local rank 0 binds them)."""
-    return c.exec(node, "sh", "-c", f"ls -d /tmp/torchpass-*-{job.job_id}-{node}/beats-e*.ipc",
-                  check=False).stdout
+    return c.exec(
+        node, "sh", "-c", f"ls -d /tmp/torchpass-*-{job.job_id}-{node}/beats-e*.ipc", check=False
+    ).stdout
 
 
 def test_a_killed_rank_behind_its_nodes_beats_is_found_and_moved_live(healthy_cluster: Cluster) -> None:
@@ -48,8 +49,12 @@ def test_a_killed_rank_behind_its_nodes_beats_is_found_and_moved_live(healthy_cl
     wait_migrated(job, 1)
     assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
     events = job.events()
-    lost = [e for e in events if e["kind"] in ("heartbeat_lost", "rank_hung", "step_exited", "node_down")
-            and e.get("exit_code") != 0]
+    lost = [
+        e
+        for e in events
+        if e["kind"] in ("heartbeat_lost", "rank_hung", "step_exited", "node_down")
+        and e.get("exit_code") != 0
+    ]
     assert [e["node"] for e in lost] == [victim], lost
     assert_all_live(c, job, 1)
     assert final_hash(job) == expected

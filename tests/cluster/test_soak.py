@@ -32,8 +32,18 @@ STEP_SLEEP_S = 0.4
 #: Seconds a step takes under the two hogs (measured: 724 steps in 10 min, 2026-12-01).
 LOADED_STEP_S = 0.8
 #: Events that would mean something was declared wrong with a healthy job.
-FAULT_KINDS = {"heartbeat_lost", "rank_hung", "node_down", "migration_started", "restarted", "fenced",
-               "failed", "spare_lost", "drain_seen", "health_warning"}
+FAULT_KINDS = {
+    "heartbeat_lost",
+    "rank_hung",
+    "node_down",
+    "migration_started",
+    "restarted",
+    "fenced",
+    "failed",
+    "spare_lost",
+    "drain_seen",
+    "health_warning",
+}
 HOG = "exec python3 -c 'while True: pass'"
 
 
@@ -51,7 +61,7 @@ def hog(healthy_cluster: Cluster) -> Iterator[Callable[[str], str]]:
     started: list[tuple[str, str]] = []
 
     def start(node: str) -> str:
-        proc = healthy_cluster.exec(node, "sh", "-c", f"nohup sh -c \"{HOG}\" >/dev/null 2>&1 & echo $!")
+        proc = healthy_cluster.exec(node, "sh", "-c", f'nohup sh -c "{HOG}" >/dev/null 2>&1 & echo $!')
         started.append((node, proc.stdout.strip()))
         return started[-1][1]
 
@@ -71,7 +81,10 @@ def test_loaded_hosts_raise_no_false_detection(healthy_cluster: Cluster, hog: Ca
     for node, pid in pids.items():  # the load was there until the end
         assert c.exec(node, "kill", "-0", pid, check=False).returncode == 0, f"the hog on {node} died"
     events = job.events()
-    faults = [e for e in events if e["kind"] in FAULT_KINDS
-              or (e["kind"] == "step_exited" and e.get("exit_code") != 0)]
+    faults = [
+        e
+        for e in events
+        if e["kind"] in FAULT_KINDS or (e["kind"] == "step_exited" and e.get("exit_code") != 0)
+    ]
     assert not faults, faults
     assert events[-1]["kind"] == "finished"

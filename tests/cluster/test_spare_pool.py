@@ -55,7 +55,9 @@ def test_one_spare_carries_the_job_through_four_node_losses_live(
         victim = active_victim(c, job)
         c.kill(victim)
         killed.append(victim)
-        wait_for(lambda k=k: len(migrations(job)) > k, timeout=120, what=f"migration {k + 1} done", interval=1)
+        wait_for(
+            lambda k=k: len(migrations(job)) > k, timeout=120, what=f"migration {k + 1} done", interval=1
+        )
         c.restart(victim)  # repaired: back to Slurm, and so to the pool
     assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
 
@@ -125,8 +127,12 @@ def test_a_loss_with_the_pool_empty_holds_the_step_until_slurm_frees_a_node(
     wait_for(lambda: len(migrations(job)) == 1, timeout=120, what="the first move", interval=1)
     second = active_victim(c, job)
     c.kill(second)
-    holding = wait_for(lambda: [e for e in job.events() if e["kind"] == "holding"], timeout=60,
-                       what="the job holding for a spare", interval=1)[0]
+    holding = wait_for(
+        lambda: [e for e in job.events() if e["kind"] == "holding"],
+        timeout=60,
+        what="the job holding for a spare",
+        interval=1,
+    )[0]
     assert holding["failed"] == [second] and holding["wait_s"] == pytest.approx(180, abs=1)
     time.sleep(max(0.0, holding["ts"] + 30 - time.time()))
     c.exec("ctl", "scancel", blocker)  # c5 is free 30 s into the hold
@@ -134,7 +140,10 @@ def test_a_loss_with_the_pool_empty_holds_the_step_until_slurm_frees_a_node(
 
     events = job.events()
     started = [e for e in events if e["kind"] == "migration_started"]
-    assert [(e["failed"], e["spares"]) for e in started] == [([first], started[0]["spares"]), ([second], ["c5"])]
+    assert [(e["failed"], e["spares"]) for e in started] == [
+        ([first], started[0]["spares"]),
+        ([second], ["c5"]),
+    ]
     assert started[1]["held_s"] >= 30, started[1]
     assert "held_s" not in started[0]
     assert [e["node"] for e in events if e["kind"] == "spare_added"] == ["c5"]
@@ -145,13 +154,16 @@ def test_a_loss_with_the_pool_empty_holds_the_step_until_slurm_frees_a_node(
     print(f"held {started[1]['held_s']:.1f} s; c5 freed {30} s into the hold")
 
 
-def test_a_refill_takes_the_node_of_lower_priority_work(healthy_cluster: Cluster, reference_hash: str) -> None:
+def test_a_refill_takes_the_node_of_lower_priority_work(
+    healthy_cluster: Cluster, reference_hash: str
+) -> None:
     """Issue 24, item 7: a job of the scavenger partition (a lower PriorityTier, preemption on:
     docker/slurm.conf) holds the only idle node, c5. After a loss the pool asks Slurm for a node,
     and Slurm cancels the low-priority job to give it c5: the next loss moves live onto it."""
     c = healthy_cluster
-    low = c.sbatch("-N1", "-w", "c5", "-p", "scavenger", "--exclusive", "-J", "low-priority",
-                   "--wrap", "sleep 600")
+    low = c.sbatch(
+        "-N1", "-w", "c5", "-p", "scavenger", "--exclusive", "-J", "low-priority", "--wrap", "sleep 600"
+    )
     wait_for(lambda: c.job_field(low, "JobState") == "RUNNING", timeout=60, what="c5 busy")
     args = (*TRAIN_ARGS[: TRAIN_ARGS.index("--step-sleep")], "--step-sleep", "1.0")
     job = submit(c, "-N", "3", "--spares", "1", train_args=args, env=ENV)

@@ -45,9 +45,12 @@ def test_rank0_node_powered_off_migrates_live(healthy_cluster: Cluster, referenc
     job = submit_with_supervisor_component(c)
     victim = rank0_node(c, job)
     c.kill(victim)
-    wait_for(lambda: victim not in component_nodes(c, job), timeout=25,
-             what=f"{victim} released from the training component before Slurm's SlurmdTimeout",
-             interval=1)
+    wait_for(
+        lambda: victim not in component_nodes(c, job),
+        timeout=25,
+        what=f"{victim} released from the training component before Slurm's SlurmdTimeout",
+        interval=1,
+    )
     assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
     assert c.job_field(job.job_id, "Restarts") == "0"
     promoted = [(e["replaces"], e["mode"]) for e in job.events() if e["kind"] == "spare_promoted"]
@@ -57,13 +60,18 @@ def test_rank0_node_powered_off_migrates_live(healthy_cluster: Cluster, referenc
 
 
 def test_rank0_node_drained_moves_live_and_ends_drained(
-        healthy_cluster: Cluster, reference_hash: str) -> None:
+    healthy_cluster: Cluster, reference_hash: str
+) -> None:
     c = healthy_cluster
     job = submit_with_supervisor_component(c)
     victim = rank0_node(c, job)
     c.exec("ctl", "scontrol", "update", f"nodename={victim}", "state=drain", "reason=maintenance window")
-    wait_for(lambda: c.node_states()[victim] == "drained", timeout=120,
-             what=f"{victim} DRAINED (released by the job)", interval=2)
+    wait_for(
+        lambda: c.node_states()[victim] == "drained",
+        timeout=120,
+        what=f"{victim} DRAINED (released by the job)",
+        interval=2,
+    )
     assert victim not in component_nodes(c, job)
     assert c.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
     events = job.events()
@@ -71,7 +79,6 @@ def test_rank0_node_drained_moves_live_and_ends_drained(
     assert len(started) == 1 and started[0]["mode"] == "planned", events
     assert not [e for e in events if e["kind"] == "drain_deferred"], events
     done = migrations_done(job)
-    assert [(d["resolution"], d["lost_steps"], d["recomputed_steps"]) for d in done] \
-        == [("live", 0, 0)], done
+    assert [(d["resolution"], d["lost_steps"], d["recomputed_steps"]) for d in done] == [("live", 0, 0)], done
     assert [e["released"] for e in events if e["kind"] == "node_released"] == [True]
     assert final_hash(job) == reference_hash

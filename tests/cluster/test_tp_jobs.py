@@ -26,8 +26,7 @@ def test_spares_are_allocated_and_training_completes(reference_hash: str) -> Non
     assert re.fullmatch(r"[0-9a-f]{64}/[0-9a-f]{64}", reference_hash)
 
 
-def test_node_kill_restarts_on_spare_with_same_state(healthy_cluster: Cluster,
-                                                      reference_hash: str) -> None:
+def test_node_kill_restarts_on_spare_with_same_state(healthy_cluster: Cluster, reference_hash: str) -> None:
     c = healthy_cluster
     job = submit(c, "-N", "3", "--spares", "1", env=RESTART)
     job.wait_step(6)
@@ -38,8 +37,11 @@ def test_node_kill_restarts_on_spare_with_same_state(healthy_cluster: Cluster,
     events = job.events()
     promoted = [e for e in events if e["kind"] == "spare_promoted"]
     assert len(promoted) == 1 and promoted[0]["replaces"] == victim
-    lost = [e for e in events if e["kind"] in ("heartbeat_lost", "node_down", "step_exited")
-            and e.get("node") == victim]
+    lost = [
+        e
+        for e in events
+        if e["kind"] in ("heartbeat_lost", "node_down", "step_exited") and e.get("node") == victim
+    ]
     assert lost, events
     done = [e for e in events if e["kind"] == "migration_done"]
     assert len(done) == 1 and done[0]["resolution"] == "checkpoint", events
@@ -64,8 +66,7 @@ def test_killed_rank_process_is_replaced(healthy_cluster: Cluster, reference_has
     assert final_hash(job) == reference_hash
 
 
-def test_a_lost_node_with_no_spare_left_ends_the_job_with_a_clear_message(
-        healthy_cluster: Cluster) -> None:
+def test_a_lost_node_with_no_spare_left_ends_the_job_with_a_clear_message(healthy_cluster: Cluster) -> None:
     c = healthy_cluster
     job = submit(c, "-N", "2", "--spares", "0")
     job.wait_step(2)
@@ -76,8 +77,9 @@ def test_a_lost_node_with_no_spare_left_ends_the_job_with_a_clear_message(
     assert "no hot spare left" in job.output()
 
 
-def test_a_crash_with_no_spare_left_moves_the_rank_live_onto_its_own_node(healthy_cluster: Cluster,
-                                                                        reference_hash: str) -> None:
+def test_a_crash_with_no_spare_left_moves_the_rank_live_onto_its_own_node(
+    healthy_cluster: Cluster, reference_hash: str
+) -> None:
     """The node outlived its rank's process and a replica holds the state: the node is its own
     spare, no step is computed again (it restarted in place from the checkpoint before)."""
     c = healthy_cluster

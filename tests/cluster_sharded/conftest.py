@@ -27,8 +27,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """On another flavor these tests are skipped, saying how to run them (scripts/test does)."""
     if devcluster.FLAVOR.name == "bookworm":
         return
-    skip = pytest.mark.skip(reason="runs on the bookworm dev cluster: "
-                            "TP_CLUSTER_FLAVOR=bookworm pytest tests/cluster_sharded")
+    skip = pytest.mark.skip(
+        reason="runs on the bookworm dev cluster: TP_CLUSTER_FLAVOR=bookworm pytest tests/cluster_sharded"
+    )
     for item in items:
         if HERE in Path(str(item.fspath)).parents:
             item.add_marker(skip)

@@ -24,8 +24,11 @@ def main() -> None:
     fully_shard(model, mesh=mesh)
     model(torch.ones(2, 64)).sum().backward()
     local = list(model.weight.to_local().shape)  # type: ignore[operator]
-    print(f"probe rank={rt.rank} coord={tuple(mesh.get_coordinate() or ())} local={local} "
-          f"torch={torch.__version__}", flush=True)
+    print(
+        f"probe rank={rt.rank} coord={tuple(mesh.get_coordinate() or ())} local={local} "
+        f"torch={torch.__version__}",
+        flush=True,
+    )
     torch.distributed.destroy_process_group()
 
 

@@ -20,10 +20,14 @@ def test_the_nodes_run_slurm_22_05(cluster: Cluster) -> None:
 
 
 def test_fsdp2_shards_a_2x2_mesh_over_four_nodes(healthy_cluster: Cluster) -> None:
-    rendezvous = ("export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1) "
-                  f"MASTER_PORT=29517; exec python3 {PROBE}")
-    out = healthy_cluster.exec("ctl", "srun", "-N4", "-n4", "--time=3", "bash", "-c", rendezvous,
-                               timeout=180).stdout
-    lines = re.findall(r"^probe rank=(\d) coord=\((\d), (\d)\) local=\[32, 64\] torch=2\.13\.\S+$",
-                       out, re.MULTILINE)
+    rendezvous = (
+        "export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1) "
+        f"MASTER_PORT=29517; exec python3 {PROBE}"
+    )
+    out = healthy_cluster.exec(
+        "ctl", "srun", "-N4", "-n4", "--time=3", "bash", "-c", rendezvous, timeout=180
+    ).stdout
+    lines = re.findall(
+        r"^probe rank=(\d) coord=\((\d), (\d)\) local=\[32, 64\] torch=2\.13\.\S+$", out, re.MULTILINE
+    )
     assert sorted(lines) == [("0", "0", "0"), ("1", "0", "1"), ("2", "1", "0"), ("3", "1", "1")], out

@@ -29,8 +29,24 @@ pytestmark = pytest.mark.cluster
 
 EXAMPLE = "/src/sbatch-examples/tiny_gpt_hsdp_tp.sbatch"
 #: Seconds per run; the sleep leaves room for a fault mid-run. 134,912 parameters.
-TRAIN = ("--d-model", "64", "--n-layers", "2", "--context", "32", "--steps", "16", "--ckpt-every", "4",
-         "--log-every", "4", "--step-sleep", "0.4", "--loader", "stateful")
+TRAIN = (
+    "--d-model",
+    "64",
+    "--n-layers",
+    "2",
+    "--context",
+    "32",
+    "--steps",
+    "16",
+    "--ckpt-every",
+    "4",
+    "--log-every",
+    "4",
+    "--step-sleep",
+    "0.4",
+    "--loader",
+    "stateful",
+)
 DONE = re.compile(r"^done step=16 loss=\S+ params_sha256=([0-9a-f]{64})$", re.MULTILINE)
 #: Bytes of the full training state: the parameters and AdamW's two moments, float32.
 FULL_STATE_BYTES = 134_912 * 4 * 3
@@ -62,8 +78,15 @@ def samples_of(job: TpJob) -> dict[int, list[dict]]:
 
 def submit_logged(c: Cluster, mesh: str) -> TpJob:
     """The example on 4 active nodes and 1 spare, its sample log in its run folder."""
-    return submit(c, "-N", "4", "--spares", "1", example=EXAMPLE,
-                  train_args=(*TRAIN, "--mesh", mesh, "--sample-log", "samples"))
+    return submit(
+        c,
+        "-N",
+        "4",
+        "--spares",
+        "1",
+        example=EXAMPLE,
+        train_args=(*TRAIN, "--mesh", mesh, "--sample-log", "samples"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +120,13 @@ def assert_same_samples(run: Run, reference: Run) -> None:
         for entry in got:
             assert entry["ids"] == want[entry["step"]], (
                 f"rank {rank} read other samples at step {entry['step']}: "
-                f"{entry['ids']} != {want[entry['step']]}")
+                f"{entry['ids']} != {want[entry['step']]}"
+            )
 
 
 def test_an_hsdp_node_kill_moves_one_shard_live_and_the_spare_reads_on_where_the_lost_rank_stopped(
-        healthy_cluster: Cluster, reference: dict[str, Run]) -> None:
+    healthy_cluster: Cluster, reference: dict[str, Run]
+) -> None:
     c = healthy_cluster
     job = submit_logged(c, "2x2")
     job.wait_step(5)
@@ -123,14 +148,19 @@ def test_an_hsdp_node_kill_moves_one_shard_live_and_the_spare_reads_on_where_the
 
 
 def test_a_pure_fsdp_drain_hands_the_leaving_ranks_shards_to_the_spare_live(
-        healthy_cluster: Cluster, reference: dict[str, Run]) -> None:
+    healthy_cluster: Cluster, reference: dict[str, Run]
+) -> None:
     c = healthy_cluster
     job = submit_logged(c, "1x4")
     job.wait_step(2)  # the supervisor sees a drain seconds later, and switches a few steps after
     node = c.tp_victim(job.job_id)
     c.exec("ctl", "scontrol", "update", f"nodename={node}", "state=drain", "reason=maintenance window")
-    wait_for(lambda: c.node_states()[node] == "drained", timeout=120,
-             what=f"{node} DRAINED (released by the job)", interval=2)
+    wait_for(
+        lambda: c.node_states()[node] == "drained",
+        timeout=120,
+        what=f"{node} DRAINED (released by the job)",
+        interval=2,
+    )
     run = finish(c, job)
     events = job.events()
     started = [e for e in events if e["kind"] == "migration_started"]
@@ -146,7 +176,8 @@ def test_a_pure_fsdp_drain_hands_the_leaving_ranks_shards_to_the_spare_live(
 
 
 def test_a_pure_fsdp_node_kill_restarts_from_the_checkpoint_and_says_no_replica(
-        healthy_cluster: Cluster, reference: dict[str, Run]) -> None:
+    healthy_cluster: Cluster, reference: dict[str, Run]
+) -> None:
     c = healthy_cluster
     job = submit_logged(c, "1x4")
     job.wait_step(6)
@@ -164,25 +195,39 @@ def test_a_pure_fsdp_node_kill_restarts_from_the_checkpoint_and_says_no_replica(
 
 #: A checkpoint every 8 steps and slower steps: room for two faults, and a restart after the
 #: second that computes at least 5 steps again (issue 24's "no false hang" case).
-TWO_FAULTS = tuple({"4": "8", "0.4": "1.0"}.get(a, a) if TRAIN[i - 1] in ("--ckpt-every", "--step-sleep") else a
-                   for i, a in enumerate(TRAIN))
+TWO_FAULTS = tuple(
+    {"4": "8", "0.4": "1.0"}.get(a, a) if TRAIN[i - 1] in ("--ckpt-every", "--step-sleep") else a
+    for i, a in enumerate(TRAIN)
+)
 
 
 def test_a_pure_fsdp_job_restarts_after_a_crash_then_a_hang_and_no_recomputed_step_looks_hung(
-        healthy_cluster: Cluster, reference: dict[str, Run]) -> None:
+    healthy_cluster: Cluster, reference: dict[str, Run]
+) -> None:
     """Issue 24, item 4, pure FSDP 1 x 4 with 1 spare: a rank's process is SIGKILLed on a node
     that stays healthy, then another rank is frozen (SIGSTOP) in the same job. Each restarts every
     rank from the shard checkpoint (no replica), and the node that lost only its process rejoins
     the pool for the next. The second restart computes at least 5 steps again, below the old
     high mark: none of those ranks may look hung. Bitwise and sample by sample equal."""
     c = healthy_cluster
-    job = submit(c, "-N", "4", "--spares", "1", example=EXAMPLE,
-                 train_args=(*TWO_FAULTS, "--mesh", "1x4", "--sample-log", "samples"))
+    job = submit(
+        c,
+        "-N",
+        "4",
+        "--spares",
+        "1",
+        example=EXAMPLE,
+        train_args=(*TWO_FAULTS, "--mesh", "1x4", "--sample-log", "samples"),
+    )
     job.wait_step(10)
     first = c.tp_victim(job.job_id)
     c.exec(first, "pkill", "-9", "-f", "python3 /src/sbatch-examples/tiny_gpt_hsdp.py")
-    wait_for(lambda: [e for e in job.events() if e["kind"] == "migration_done"], timeout=120,
-             what="the first restart resumed", interval=1)
+    wait_for(
+        lambda: [e for e in job.events() if e["kind"] == "migration_done"],
+        timeout=120,
+        what="the first restart resumed",
+        interval=1,
+    )
     job.wait_step(13)
     second = c.tp_victim(job.job_id)
     c.exec(second, "pkill", "-STOP", "-f", "python3 /src/sbatch-examples/tiny_gpt_hsdp.py")
@@ -192,9 +237,12 @@ def test_a_pure_fsdp_job_restarts_after_a_crash_then_a_hang_and_no_recomputed_st
         c.exec(second, "pkill", "-CONT", "-f", "python3 /src/sbatch-examples/tiny_gpt_hsdp.py", check=False)
 
     events = job.events()
-    detections = [(e["kind"], e["node"]) for e in events
-                  if e["kind"] in ("rank_hung", "heartbeat_lost") or
-                  (e["kind"] == "step_exited" and e.get("exit_code") not in (0, None))]
+    detections = [
+        (e["kind"], e["node"])
+        for e in events
+        if e["kind"] in ("rank_hung", "heartbeat_lost")
+        or (e["kind"] == "step_exited" and e.get("exit_code") not in (0, None))
+    ]
     assert detections[0] == ("step_exited", first), detections
     assert {node for _, node in detections[1:]} == {second}, f"a false hang: {detections}"
     started = [e for e in events if e["kind"] == "migration_started"]

@@ -41,8 +41,17 @@ def free_port() -> int:
 
 
 def info(rank: int, world: int, port: int, epoch: int = 0) -> RankInfo:
-    return RankInfo(rank=rank, world_size=world, local_rank=0, local_world_size=1, master_addr=None,
-                    master_port=None, epoch=epoch, store_addr="127.0.0.1", store_port=port)
+    return RankInfo(
+        rank=rank,
+        world_size=world,
+        local_rank=0,
+        local_world_size=1,
+        master_addr=None,
+        master_port=None,
+        epoch=epoch,
+        store_addr="127.0.0.1",
+        store_port=port,
+    )
 
 
 @contextlib.contextmanager

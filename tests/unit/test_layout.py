@@ -106,8 +106,13 @@ def read_package(root: Path, package: str) -> dict[str, Module]:
     for path in sorted(root.rglob("*.py")):
         source = path.read_text(encoding="utf-8")
         name = module_name(path, root, package)
-        modules[name] = Module(name, path.relative_to(root.parent).as_posix(), path.name == "__init__.py",
-                               source, ast.parse(source, filename=str(path)))
+        modules[name] = Module(
+            name,
+            path.relative_to(root.parent).as_posix(),
+            path.name == "__init__.py",
+            source,
+            ast.parse(source, filename=str(path)),
+        )
     for module in modules.values():
         for node in module_level_statements(module.tree.body):
             if isinstance(node, ast.Import):
@@ -257,8 +262,11 @@ def boundary_violations(modules: dict[str, Module], folder: str, bad: str) -> li
 
 
 def long_modules(modules: dict[str, Module], limit: int) -> list[str]:
-    return [f"{m.relative}: {len(m.source.splitlines())} lines"
-            for m in modules.values() if len(m.source.splitlines()) > limit]
+    return [
+        f"{m.relative}: {len(m.source.splitlines())} lines"
+        for m in modules.values()
+        if len(m.source.splitlines()) > limit
+    ]
 
 
 def long_classes(modules: dict[str, Module], limit: int) -> list[str]:
@@ -288,7 +296,8 @@ def test_no_import_cycle(package: dict[str, Module]) -> None:
     shown = "\n\n".join("\n".join(f"  {edge}" for edge in cycle) for cycle in cycles)
     assert not cycles, (
         f"{len(cycles)} import cycle(s) among the package's modules (module-level imports, "
-        f"TYPE_CHECKING ones included; a function-local import breaks a cycle):\n{shown}")
+        f"TYPE_CHECKING ones included; a function-local import breaks a cycle):\n{shown}"
+    )
 
 
 def test_the_supervisor_never_imports_torch(package: dict[str, Module]) -> None:
@@ -303,9 +312,18 @@ def test_the_rank_side_never_imports_the_slurm_layer(package: dict[str, Module])
 
 #: The ground floor: the vocabulary every process shares. A vocabulary module imports only
 #: other vocabulary modules.
-VOCABULARY = frozenset({
-    "config", "errors", "faults", "jsonsafe", "mesh", "ownership", "phase", "strenum",
-})
+VOCABULARY = frozenset(
+    {
+        "config",
+        "errors",
+        "faults",
+        "jsonsafe",
+        "mesh",
+        "ownership",
+        "phase",
+        "strenum",
+    }
+)
 
 #: Which rooms each room may import (module-level imports, TYPE_CHECKING ones included), the
 #: vocabulary aside. A folder's room is its name, a root module's is its name too. The
@@ -350,40 +368,71 @@ def room_violations(modules: dict[str, Module]) -> list[str]:
 
 
 #: The Slurm client commands: only ``slurm/`` runs them (STYLE, habit 2).
-SLURM_COMMANDS = frozenset({
-    "sacct", "sacctmgr", "salloc", "sattach", "sbatch", "sbcast", "scancel", "scontrol",
-    "sinfo", "squeue", "srun", "sstat", "strigger",
-})
+SLURM_COMMANDS = frozenset(
+    {
+        "sacct",
+        "sacctmgr",
+        "salloc",
+        "sattach",
+        "sbatch",
+        "sbcast",
+        "scancel",
+        "scontrol",
+        "sinfo",
+        "squeue",
+        "srun",
+        "sstat",
+        "strigger",
+    }
+)
 #: The modules outside ``slurm/`` that start a process, and why.
 PROCESS_STARTERS = {
     f"{PACKAGE}.cli.store_host": "the job's rendezvous store, a Python child of tp run",
 }
 _STARTS_A_PROCESS = {
     "subprocess": {"run", "Popen", "call", "check_call", "check_output"},
-    "os": {"system", "popen", "execv", "execvp", "execvpe", "execl", "execlp", "spawnv", "spawnvp",
-           "posix_spawn", "posix_spawnp"},
+    "os": {
+        "system",
+        "popen",
+        "execv",
+        "execvp",
+        "execvpe",
+        "execl",
+        "execlp",
+        "spawnv",
+        "spawnvp",
+        "posix_spawn",
+        "posix_spawnp",
+    },
 }
 
 
 def process_starts(module: Module) -> list[int]:
     """The lines where ``module`` starts a process (``subprocess.run(...)``, ``os.execvp(...)``)."""
     return sorted(
-        node.lineno for node in ast.walk(module.tree)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        node.lineno
+        for node in ast.walk(module.tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
         and isinstance(node.func.value, ast.Name)
-        and node.func.attr in _STARTS_A_PROCESS.get(node.func.value.id, ()))
+        and node.func.attr in _STARTS_A_PROCESS.get(node.func.value.id, ())
+    )
 
 
 def slurm_command_names(module: Module) -> list[int]:
     """The lines where ``module`` spells a Slurm command as a string of its own (``"scancel"``)."""
-    return sorted(node.lineno for node in ast.walk(module.tree)
-                  if isinstance(node, ast.Constant) and node.value in SLURM_COMMANDS)
+    return sorted(
+        node.lineno
+        for node in ast.walk(module.tree)
+        if isinstance(node, ast.Constant) and node.value in SLURM_COMMANDS
+    )
 
 
 def test_every_room_imports_only_the_rooms_below_it(package: dict[str, Module]) -> None:
     rooms = {room_of(name) for name in package} - {""}
     assert rooms <= set(ALLOWED_ROOMS) | VOCABULARY, (
-        f"rooms missing from ALLOWED_ROOMS or VOCABULARY: {sorted(rooms - set(ALLOWED_ROOMS) - VOCABULARY)}")
+        f"rooms missing from ALLOWED_ROOMS or VOCABULARY: {sorted(rooms - set(ALLOWED_ROOMS) - VOCABULARY)}"
+    )
     found = room_violations(package)
     assert not found, "imports the layer tables do not allow:\n  " + "\n  ".join(found)
 
@@ -397,8 +446,10 @@ def test_only_the_slurm_layer_runs_slurm_commands(package: dict[str, Module]) ->
         if starts and name not in PROCESS_STARTERS:
             found.append(f"{module.relative} starts a process (lines {starts}); only slurm/ should")
         if starts and slurm_command_names(module):
-            found.append(f"{module.relative} starts a process and names a Slurm command "
-                         f"(lines {slurm_command_names(module)}): run it through slurm/")
+            found.append(
+                f"{module.relative} starts a process and names a Slurm command "
+                f"(lines {slurm_command_names(module)}): run it through slurm/"
+            )
     assert not found, "\n".join(found)
     assert set(PROCESS_STARTERS) <= set(package), "PROCESS_STARTERS names a module that is gone"
 
@@ -412,8 +463,14 @@ def test_the_batch_host_entry_points_leave_torch_unloaded(entry_point: str) -> N
             loaded = sorted(m for m in sys.modules if m.startswith("{PACKAGE}."))
             sys.exit("torch was imported; the package's modules loaded: " + ", ".join(loaded))
     """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          cwd=PACKAGE_DIR.parent, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=PACKAGE_DIR.parent,
+        check=False,
+    )
     assert done.returncode == 0, f"import {entry_point}: {done.stderr.strip()}"
 
 
@@ -439,15 +496,18 @@ def make_package(root: Path, files: dict[str, str]) -> dict[str, Module]:
 
 
 def test_a_cycle_through_a_relative_and_a_type_checking_import_is_found(tmp_path: Path) -> None:
-    modules = make_package(tmp_path, {
-        "__init__.py": "",
-        "sup/__init__.py": "from pkg.sup.loop import Loop\n",  # re-exports: not a cycle
-        "sup/loop.py": "from .recovery import Mixin\nclass Loop(Mixin): ...\n",
-        "sup/recovery.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                           "    from pkg.sup import loop\nclass Mixin: ...\n",
-        "lazy/a.py": "def f():\n    from pkg.lazy import b\n",
-        "lazy/b.py": "from pkg.lazy import a\n",
-    })
+    modules = make_package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "sup/__init__.py": "from pkg.sup.loop import Loop\n",  # re-exports: not a cycle
+            "sup/loop.py": "from .recovery import Mixin\nclass Loop(Mixin): ...\n",
+            "sup/recovery.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    from pkg.sup import loop\nclass Mixin: ...\n",
+            "lazy/a.py": "def f():\n    from pkg.lazy import b\n",
+            "lazy/b.py": "from pkg.lazy import a\n",
+        },
+    )
     [cycle] = find_cycles(modules)
     assert [str(edge) for edge in cycle] == [
         "pkg.sup.loop -> pkg.sup.recovery (line 1)",
@@ -456,26 +516,31 @@ def test_a_cycle_through_a_relative_and_a_type_checking_import_is_found(tmp_path
 
 
 def test_a_transitive_boundary_crossing_is_shown_as_its_chain(tmp_path: Path) -> None:
-    modules = make_package(tmp_path, {
-        "__init__.py": "",
-        "sup/__init__.py": "",
-        "sup/loop.py": "from ..transfer import plan\n",
-        "transfer/__init__.py": "from . import gpu\n",  # runs when transfer.plan is imported
-        "transfer/plan.py": "def later():\n    import torch\n",
-        "transfer/gpu.py": "import torch.distributed as dist\n",
-        "rank/__init__.py": "",
-        "rank/step.py": "class Step:\n    from pkg.slurm.steps import srun  # a class body runs\n",
-        "rank/lazy.py": "def f():\n    from pkg import slurm\n",
-        "slurm/__init__.py": "",
-        "slurm/steps.py": "srun = 1\n",
-    })
-    assert boundary_violations(modules, "pkg.sup", "torch") == [(
-        "pkg.sup.loop imports torch:\n"
-        "    pkg.sup.loop -> pkg.transfer.plan (line 1)\n"
-        "    pkg.transfer.plan -> pkg.transfer (its parent package)\n"
-        "    pkg.transfer -> pkg.transfer.gpu (line 1)\n"
-        "    pkg.transfer.gpu -> torch.distributed (line 1)"
-    )]
+    modules = make_package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "sup/__init__.py": "",
+            "sup/loop.py": "from ..transfer import plan\n",
+            "transfer/__init__.py": "from . import gpu\n",  # runs when transfer.plan is imported
+            "transfer/plan.py": "def later():\n    import torch\n",
+            "transfer/gpu.py": "import torch.distributed as dist\n",
+            "rank/__init__.py": "",
+            "rank/step.py": "class Step:\n    from pkg.slurm.steps import srun  # a class body runs\n",
+            "rank/lazy.py": "def f():\n    from pkg import slurm\n",
+            "slurm/__init__.py": "",
+            "slurm/steps.py": "srun = 1\n",
+        },
+    )
+    assert boundary_violations(modules, "pkg.sup", "torch") == [
+        (
+            "pkg.sup.loop imports torch:\n"
+            "    pkg.sup.loop -> pkg.transfer.plan (line 1)\n"
+            "    pkg.transfer.plan -> pkg.transfer (its parent package)\n"
+            "    pkg.transfer -> pkg.transfer.gpu (line 1)\n"
+            "    pkg.transfer.gpu -> torch.distributed (line 1)"
+        )
+    ]
     assert boundary_violations(modules, "pkg.rank", "pkg.slurm") == [
         "pkg.rank.step imports pkg.slurm:\n    pkg.rank.step -> pkg.slurm.steps (line 2)"
     ]
@@ -490,26 +555,33 @@ def test_long_modules_and_classes_are_found(tmp_path: Path) -> None:
 
 
 def test_an_import_between_rooms_side_by_side_is_found_and_a_lazy_one_is_not(tmp_path: Path) -> None:
-    modules = make_package(tmp_path, {
-        "__init__.py": "",
-        "mesh.py": "",
-        "rank/__init__.py": "",
-        "rank/trainer.py": "from pkg import mesh\n",
-        "supervisor/__init__.py": "",
-        "supervisor/plan.py": "from pkg.rank.trainer import x\nfrom pkg import mesh\n",
-        "supervisor/lazy.py": "def f():\n    from pkg.rank import trainer\n",
-    })
+    modules = make_package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "mesh.py": "",
+            "rank/__init__.py": "",
+            "rank/trainer.py": "from pkg import mesh\n",
+            "supervisor/__init__.py": "",
+            "supervisor/plan.py": "from pkg.rank.trainer import x\nfrom pkg import mesh\n",
+            "supervisor/lazy.py": "def f():\n    from pkg.rank import trainer\n",
+        },
+    )
     assert room_violations(modules) == [
-        "supervisor -> rank: pkg.supervisor.plan -> pkg.rank.trainer (line 1)"]
+        "supervisor -> rank: pkg.supervisor.plan -> pkg.rank.trainer (line 1)"
+    ]
 
 
 def test_a_slurm_command_started_outside_the_slurm_layer_is_found(tmp_path: Path) -> None:
-    modules = make_package(tmp_path, {
-        "__init__.py": "",
-        "cancel.py": "import subprocess\n\ndef cancel(job):\n    argv = ['scancel', job]\n"
-                     "    subprocess.run(argv, check=True)\n",
-        "render.py": "import shlex\n\ndef line():\n    return shlex.join(['sbatch', 'x'])\n",
-    })
+    modules = make_package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "cancel.py": "import subprocess\n\ndef cancel(job):\n    argv = ['scancel', job]\n"
+            "    subprocess.run(argv, check=True)\n",
+            "render.py": "import shlex\n\ndef line():\n    return shlex.join(['sbatch', 'x'])\n",
+        },
+    )
     assert process_starts(modules["pkg.cancel"]) == [5]
     assert slurm_command_names(modules["pkg.cancel"]) == [4]
     assert process_starts(modules["pkg.render"]) == []  # a rendered command is not a started one

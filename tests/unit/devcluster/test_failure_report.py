@@ -20,7 +20,7 @@ slurmd: slurmd version 24.11.5 started
 slurmd: error: spank: /usr/lib/x86_64-linux-gnu/slurm-wlm/torchpass.so: Incompatible plugin version
 slurmd: error: spank: /etc/slurm/plugstack.conf:3: Failed to load plugin /usr/lib/x86_64-linux-gnu/slurm-wlm/torchpass.so. Aborting.
 slurmd: error: slurmd initialization failed
-"""
+"""  # noqa: E501 (slurmd's log, verbatim)
 
 
 def test_sinfo_lines_become_lower_case_states() -> None:
@@ -34,8 +34,10 @@ def test_a_node_whose_container_is_not_running_is_stopped() -> None:
 
 def test_the_excerpt_is_the_error_lines_of_the_log() -> None:
     assert dc.log_excerpt(SLURMD_REFUSES_PLUGIN, lines=2) == [
-        ("slurmd: error: spank: /etc/slurm/plugstack.conf:3: Failed to load plugin "
-         "/usr/lib/x86_64-linux-gnu/slurm-wlm/torchpass.so. Aborting."),
+        (
+            "slurmd: error: spank: /etc/slurm/plugstack.conf:3: Failed to load plugin "
+            "/usr/lib/x86_64-linux-gnu/slurm-wlm/torchpass.so. Aborting."
+        ),
         "slurmd: error: slurmd initialization failed",
     ]
 
@@ -82,8 +84,7 @@ class FakeCluster(Cluster):
 
 def test_wait_idle_fails_at_once_when_a_node_container_exited() -> None:
     running = {n: "running" for n in dc.NODES}
-    fake = FakeCluster({**running, "c5": "exited"},
-                       {**{n: "idle" for n in dc.COMPUTE}, "c5": "unknown*"})
+    fake = FakeCluster({**running, "c5": "exited"}, {**{n: "idle" for n in dc.COMPUTE}, "c5": "unknown*"})
     began = time.monotonic()
     with pytest.raises(ClusterError) as err:
         fake.wait_idle(timeout=240)
@@ -93,31 +94,26 @@ def test_wait_idle_fails_at_once_when_a_node_container_exited() -> None:
 
 
 def test_wait_idle_returns_when_every_node_is_idle() -> None:
-    fake = FakeCluster({n: "running" for n in dc.NODES},
-                       {n: "idle" for n in dc.COMPUTE + dc.SERVICE})
+    fake = FakeCluster({n: "running" for n in dc.NODES}, {n: "idle" for n in dc.COMPUTE + dc.SERVICE})
     fake.wait_idle(timeout=1)
 
 
 def test_wait_idle_waits_for_the_service_node_too(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dc, "POLL_S", 0.01)
-    fake = FakeCluster({n: "running" for n in dc.NODES},
-                       {**{n: "idle" for n in dc.COMPUTE}, "s1": "unknown"})
+    fake = FakeCluster({n: "running" for n in dc.NODES}, {**{n: "idle" for n in dc.COMPUTE}, "s1": "unknown"})
     with pytest.raises(ClusterError, match="nodes not idle after 0 s: s1=unknown"):
         fake.wait_idle(timeout=0.05)
 
 
 def test_a_cluster_started_without_a_service_node_is_idle_with_c1_to_c5() -> None:
     """A cluster brought up from a compose file older than s1 (another engineer's, say)."""
-    fake = FakeCluster({n: "running" for n in (dc.CONTROLLER, *dc.COMPUTE)},
-                       {n: "idle" for n in dc.COMPUTE})
+    fake = FakeCluster({n: "running" for n in (dc.CONTROLLER, *dc.COMPUTE)}, {n: "idle" for n in dc.COMPUTE})
     fake.wait_idle(timeout=1)
 
 
-def test_on_timeout_the_controller_and_the_waiting_nodes_are_quoted(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_timeout_the_controller_and_the_waiting_nodes_are_quoted(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dc, "POLL_S", 0.01)
-    fake = FakeCluster({n: "running" for n in dc.NODES},
-                       {**{n: "idle" for n in dc.COMPUTE}, "c2": "unknown"})
+    fake = FakeCluster({n: "running" for n in dc.NODES}, {**{n: "idle" for n in dc.COMPUTE}, "c2": "unknown"})
     with pytest.raises(ClusterError) as err:
         fake.wait_idle(timeout=0.05)
     text = str(err.value)

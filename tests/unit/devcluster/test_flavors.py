@@ -31,7 +31,13 @@ def test_the_bookworm_wheels_are_pinned() -> None:
 
 
 def test_an_unknown_flavor_is_refused_with_the_valid_ones() -> None:
-    proc = subprocess.run([sys.executable, "scripts/cluster", "status"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env=dict(os.environ, TP_CLUSTER_FLAVOR="sid"))
+    proc = subprocess.run(
+        [sys.executable, "scripts/cluster", "status"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, TP_CLUSTER_FLAVOR="sid"),
+    )
     assert proc.returncode != 0
     assert "TP_CLUSTER_FLAVOR='sid' is not a cluster flavor; valid: trixie, bookworm" in proc.stderr

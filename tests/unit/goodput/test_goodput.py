@@ -45,14 +45,16 @@ def test_first_order_rule_is_the_studys_estimator_when_writes_are_free() -> None
     assert ettr_first_order(16384, p) == pytest.approx(1 - lam * (300.0 + 1800.0 / 2))
 
 
-@pytest.mark.parametrize(("gpus", "params"), [
-    (16384, CR),
-    (1024, replace(CR, ckpt_interval_s=600.0, ckpt_write_s=60.0)),
-    (16384, GoodputParams()),
-    (131072, replace(GoodputParams(), live_coverage=0.5, ckpt_interval_s=900.0, ckpt_write_s=30.0)),
-])
-def test_monte_carlo_agrees_with_the_closed_form_within_2_percent(gpus: int,
-                                                                  params: GoodputParams) -> None:
+@pytest.mark.parametrize(
+    ("gpus", "params"),
+    [
+        (16384, CR),
+        (1024, replace(CR, ckpt_interval_s=600.0, ckpt_write_s=60.0)),
+        (16384, GoodputParams()),
+        (131072, replace(GoodputParams(), live_coverage=0.5, ckpt_interval_s=900.0, ckpt_write_s=30.0)),
+    ],
+)
+def test_monte_carlo_agrees_with_the_closed_form_within_2_percent(gpus: int, params: GoodputParams) -> None:
     closed = ettr(gpus, params).ettr
     assert simulate(gpus, params, seed=1).ettr == pytest.approx(closed, rel=0.02)
 
@@ -76,7 +78,7 @@ def test_lost_gpu_hours_are_the_lost_share_of_the_job() -> None:
 
 
 def test_bad_parameters_say_what_was_seen() -> None:
-    with pytest.raises(ValueError, match="live_coverage must be in \\[0, 1\\], got 1.5"):
+    with pytest.raises(ValueError, match=r"live_coverage must be in \[0, 1\], got 1\.5"):
         GoodputParams(live_coverage=1.5)
 
 
@@ -100,7 +102,9 @@ def test_cli_table_lists_the_three_default_sizes() -> None:
 def test_cli_table_fits_80_columns_without_cutting_a_header(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "80")
     rule = "─" * 78  # a coverage below 1 gives the live columns their widest numbers
-    assert tp("goodput", "--monte-carlo", "--live-coverage", "0.78") == (0, f"""\
+    assert tp("goodput", "--monte-carlo", "--live-coverage", "0.78") == (
+        0,
+        f"""\
 ETTR at 6.5 faults/1000 node-days; live migration: 2 s per fault, covers 78%
 checkpoint restart: a checkpoint every 60 min (write 0 s), restart 300 s
                   faults  restart    restart   live       live       MC     MC
@@ -110,10 +114,14 @@ checkpoint restart: a checkpoint every 60 min (write 0 s), restart 300 s
  16,384   2,048    13.31    0.714    112,311  0.930     27,405    0.711  0.929
 131,072  16,384   106.50    0.037  3,030,301  0.536  1,460,929    0.034  0.530
 GPU-h/d: GPU-hours lost per day; MC: the simulation's ETTR
-""", "")
+""",
+        "",
+    )
     plain = tp("goodput", "--live-coverage", "0.78").out.splitlines()
-    assert plain[2:4] == ["                  faults  restart    restart   live       live",
-                          "   GPUs   nodes  per day     ETTR    GPU-h/d   ETTR    GPU-h/d"]
+    assert plain[2:4] == [
+        "                  faults  restart    restart   live       live",
+        "   GPUs   nodes  per day     ETTR    GPU-h/d   ETTR    GPU-h/d",
+    ]
     assert plain[-1] == "GPU-h/d: GPU-hours lost per day"
 
 
@@ -126,8 +134,9 @@ def test_cli_rejects_a_coverage_above_one() -> None:
 def test_cli_cluster_preset_and_explicit_rate() -> None:
     rsc2 = json.loads(tp("goodput", "--gpus", "1024", "--cluster", "rsc2", "--json").out)
     assert rsc2["params"]["failure_rate_per_node_day"] == pytest.approx(2.34e-3)
-    both = json.loads(tp("goodput", "--gpus", "1024", "--cluster", "rsc2", "--failure-rate", "1",
-                         "--json").out)
+    both = json.loads(
+        tp("goodput", "--gpus", "1024", "--cluster", "rsc2", "--failure-rate", "1", "--json").out
+    )
     assert both["params"]["failure_rate_per_node_day"] == pytest.approx(1e-3)
 
 
@@ -142,8 +151,10 @@ def test_cli_plot_writes_a_png(tmp_path: Path) -> None:
     path = tmp_path / "img" / "goodput.png"
     out = tp("goodput", "--gpus", "16384", "--plot", str(path))
     assert out.code == 0, out.err
-    assert out.err == (f"plotting ETTR for 30 job sizes, 512 to 131,072 GPUs ...\n"
-                       f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)\n")
+    assert out.err == (
+        f"plotting ETTR for 30 job sizes, 512 to 131,072 GPUs ...\n"
+        f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)\n"
+    )
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert 30_000 < len(data) < 1_000_000
@@ -152,28 +163,30 @@ def test_cli_plot_writes_a_png(tmp_path: Path) -> None:
     assert "16,384" in out.out
 
 
-def test_cli_plot_without_matplotlib_says_what_to_install(tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends",
-                 "matplotlib.backends.backend_agg"):
+def test_cli_plot_without_matplotlib_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, name, None)  # None makes the import raise ImportError
     out = tp("goodput", "--plot", str(tmp_path / "goodput.png"))
     assert (out.code, out.out) == (1, "")
     message, hint = out.err.splitlines()
-    assert message.startswith("error: --plot needs matplotlib, which could not be imported "
-                              "(import of matplotlib")
+    assert message.startswith(
+        "error: --plot needs matplotlib, which could not be imported (import of matplotlib"
+    )
     assert hint == "  hint: pip install 'torchpass-slurm[bench]'"
     assert not (tmp_path / "goodput.png").exists()
 
 
 def test_help_does_not_import_matplotlib_or_torch() -> None:
-    code = ("import sys\n"
-            "from torchpass_slurm.cli.app import run_cli\n"
-            "from torchpass_slurm.cli.main import cli\n"
-            "for argv in (['--help'], ['goodput', '--help']):\n"
-            "    assert run_cli(cli, argv, prog_name='tp') == 0\n"
-            "loaded = [m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'torch')]\n"
-            "print(sorted(loaded), file=sys.stderr)")
-    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stderr
+    code = (
+        "import sys\n"
+        "from torchpass_slurm.cli.app import run_cli\n"
+        "from torchpass_slurm.cli.main import cli\n"
+        "for argv in (['--help'], ['goodput', '--help']):\n"
+        "    assert run_cli(cli, argv, prog_name='tp') == 0\n"
+        "loaded = [m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'torch')]\n"
+        "print(sorted(loaded), file=sys.stderr)"
+    )
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
     assert err == "[]\n"

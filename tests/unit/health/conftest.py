@@ -25,23 +25,42 @@ NOW = 1_741_064_767.0
 def gpu(index: int = 0, **changes: Any) -> GpuFacts:
     """A healthy GPU with every field reported."""
     healthy = GpuFacts(
-        index=index, uuid=f"GPU-{index}", name="Sim H100", temperature_c=60.0, slowdown_c=88.0, shutdown_c=95.0,
-        ecc_corrected=10, ecc_uncorrected=0, retired_pages=0, retired_pages_pending=False,
-        remapped_rows_pending=False, remapped_rows_failure=False, xid_errors=(), throttle_reasons=(),
-        pcie_gen=5, pcie_gen_max=5, pcie_width=16, pcie_width_max=16, nvlink_errors=(),
+        index=index,
+        uuid=f"GPU-{index}",
+        name="Sim H100",
+        temperature_c=60.0,
+        slowdown_c=88.0,
+        shutdown_c=95.0,
+        ecc_corrected=10,
+        ecc_uncorrected=0,
+        retired_pages=0,
+        retired_pages_pending=False,
+        remapped_rows_pending=False,
+        remapped_rows_failure=False,
+        xid_errors=(),
+        throttle_reasons=(),
+        pcie_gen=5,
+        pcie_gen_max=5,
+        pcie_width=16,
+        pcie_width_max=16,
+        nvlink_errors=(),
     )
     return replace(healthy, **changes)
 
 
 def host(**changes: Any) -> HostFacts:
-    healthy = HostFacts(memory_total_mb=100_000.0, memory_available_mb=50_000.0,
-                        disks=(DiskFacts("/var/spool/slurmd", free_mb=10_000.0, total_mb=20_000.0),))
+    healthy = HostFacts(
+        memory_total_mb=100_000.0,
+        memory_available_mb=50_000.0,
+        disks=(DiskFacts("/var/spool/slurmd", free_mb=10_000.0, total_mb=20_000.0),),
+    )
     return replace(healthy, **changes)
 
 
 def facts(gpus: Iterable[GpuFacts] | None = (), **changes: Any) -> Facts:
-    base = Facts(time=NOW, node="n1", source="simulated",
-                 gpus=None if gpus is None else tuple(gpus), host=host())
+    base = Facts(
+        time=NOW, node="n1", source="simulated", gpus=None if gpus is None else tuple(gpus), host=host()
+    )
     return replace(base, **changes)
 
 
@@ -68,14 +87,26 @@ def tp(*argv: str) -> Outcome:
     return Outcome(code, out.getvalue().decode(), err.getvalue().decode())
 
 
-
-
 def sim_gpu(index: int, **changes: Any) -> dict[str, Any]:
     """One GPU of a simulated-devices file, healthy unless changed."""
-    doc = {"index": index, "uuid": f"GPU-{index}", "temperature_c": 60, "slowdown_c": 88, "shutdown_c": 95,
-           "ecc_corrected": 10, "ecc_uncorrected": 0, "retired_pages": 0, "retired_pages_pending": False,
-           "xid_errors": [], "throttle_reasons": [], "pcie_gen": 5, "pcie_gen_max": 5,
-           "pcie_width": 16, "pcie_width_max": 16, "nvlink_errors": []}
+    doc = {
+        "index": index,
+        "uuid": f"GPU-{index}",
+        "temperature_c": 60,
+        "slowdown_c": 88,
+        "shutdown_c": 95,
+        "ecc_corrected": 10,
+        "ecc_uncorrected": 0,
+        "retired_pages": 0,
+        "retired_pages_pending": False,
+        "xid_errors": [],
+        "throttle_reasons": [],
+        "pcie_gen": 5,
+        "pcie_gen_max": 5,
+        "pcie_width": 16,
+        "pcie_width_max": 16,
+        "nvlink_errors": [],
+    }
     doc.update(changes)
     return doc
 
@@ -105,9 +136,16 @@ class Sim:
         self.write({"gpus": list(gpus)})
 
     def configure(self, **settings: Any) -> None:
-        base = {"expected_gpus": 2, "state_file": str(self.state), "disk_paths": [str(self.root)],
-                "disk_free_warning_mb": 1, "disk_free_critical_mb": 1, "memory_available_warning_pct": 0,
-                "memory_available_critical_pct": 0, "timeout_s": 5}
+        base = {
+            "expected_gpus": 2,
+            "state_file": str(self.state),
+            "disk_paths": [str(self.root)],
+            "disk_free_warning_mb": 1,
+            "disk_free_critical_mb": 1,
+            "memory_available_warning_pct": 0,
+            "memory_available_critical_pct": 0,
+            "timeout_s": 5,
+        }
         base.update(settings)
         self.config.write_text(json.dumps(base))
 

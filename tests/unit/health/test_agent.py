@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from torchpass_slurm.rank.health_agent import CLOSE_TIMEOUT_S, HealthAgent
 from torchpass_slurm.health.run import HealthReport
+from torchpass_slurm.rank.health_agent import CLOSE_TIMEOUT_S, HealthAgent
 
 
 class Recorder:
@@ -25,8 +25,15 @@ class Recorder:
         self.reports.append((event, fields))
 
 
-GPU = {"index": 0, "uuid": "GPU-0", "temperature_c": 60, "slowdown_c": 88, "shutdown_c": 95,
-       "ecc_corrected": 0, "ecc_uncorrected": 0}
+GPU = {
+    "index": 0,
+    "uuid": "GPU-0",
+    "temperature_c": 60,
+    "slowdown_c": 88,
+    "shutdown_c": 95,
+    "ecc_corrected": 0,
+    "ecc_uncorrected": 0,
+}
 
 
 @pytest.fixture
@@ -65,8 +72,9 @@ def test_a_healthy_node_is_not_reported(agent: HealthAgent, recorder: Recorder, 
     assert recorder.reports == [] and not agent.reported
 
 
-def test_heat_is_reported_once_with_what_was_seen(agent: HealthAgent, recorder: Recorder,
-                                                  tmp_path: Path) -> None:
+def test_heat_is_reported_once_with_what_was_seen(
+    agent: HealthAgent, recorder: Recorder, tmp_path: Path
+) -> None:
     simulate(tmp_path, temperature_c=86)
     agent.judge(agent.check())
     [(event, fields)] = recorder.reports
@@ -75,8 +83,7 @@ def test_heat_is_reported_once_with_what_was_seen(agent: HealthAgent, recorder: 
     assert agent.reported
 
 
-def test_a_broken_gpu_library_is_not_reported(agent: HealthAgent, recorder: Recorder,
-                                              tmp_path: Path) -> None:
+def test_a_broken_gpu_library_is_not_reported(agent: HealthAgent, recorder: Recorder, tmp_path: Path) -> None:
     (tmp_path / "c2.json").write_text(json.dumps({"broken": "NVML_ERROR_LIB_RM_VERSION_MISMATCH"}))
     report = agent.check()
     assert report.status.name == "UNKNOWN"
@@ -93,8 +100,9 @@ def test_the_ecc_samples_go_to_the_run_folder(agent: HealthAgent, tmp_path: Path
 # --- a spare's agent: it samples in standby, and reports once promoted -------------------
 
 
-def test_a_spares_warning_is_held_until_its_promotion(health_env: Path, recorder: Recorder,
-                                                       tmp_path: Path) -> None:
+def test_a_spares_warning_is_held_until_its_promotion(
+    health_env: Path, recorder: Recorder, tmp_path: Path
+) -> None:
     spare = HealthAgent(None, "c2", interval=1.0)
     simulate(tmp_path, temperature_c=86)
     spare.judge(spare.check())
@@ -105,7 +113,8 @@ def test_a_spares_warning_is_held_until_its_promotion(health_env: Path, recorder
 
 
 def test_errors_that_rise_as_a_spare_is_promoted_are_a_rate_from_its_standby_samples(
-        health_env: Path, recorder: Recorder, tmp_path: Path) -> None:
+    health_env: Path, recorder: Recorder, tmp_path: Path
+) -> None:
     """The campaign's fault 49: 50,000 corrected errors appeared on a node 1 s after its promotion.
     An agent started at the promotion took them as its first sample (no rate, no warning)."""
     (tmp_path / "health.toml").write_text(f'disk_paths = ["{tmp_path}"]\necc_rate_min_interval_s = 1.0\n')
@@ -129,7 +138,8 @@ def test_errors_that_rise_as_a_spare_is_promoted_are_a_rate_from_its_standby_sam
 
 
 def test_maybe_start_runs_only_on_local_rank_0_with_an_interval(
-        health_env: Path, recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    health_env: Path, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TORCHPASS_HEALTH_INTERVAL", "0")
     assert HealthAgent.maybe_start(recorder, node="c2", local_rank=0) is None
     monkeypatch.setenv("TORCHPASS_HEALTH_INTERVAL", "3600")
@@ -152,7 +162,8 @@ def test_close_stops_a_waiting_agent_at_once(agent: HealthAgent, tmp_path: Path)
 
 
 def test_close_stops_a_checking_agent_and_nothing_is_reported_after(
-        agent: HealthAgent, recorder: Recorder, tmp_path: Path) -> None:
+    agent: HealthAgent, recorder: Recorder, tmp_path: Path
+) -> None:
     simulate(tmp_path, temperature_c=86)  # a warning, were it judged
     agent.interval = 0.01
     checking, release = threading.Event(), threading.Event()
@@ -177,7 +188,8 @@ def test_close_stops_a_checking_agent_and_nothing_is_reported_after(
 
 
 def test_a_running_agent_reports_through_the_callable_then_stops(
-        agent: HealthAgent, recorder: Recorder, tmp_path: Path) -> None:
+    agent: HealthAgent, recorder: Recorder, tmp_path: Path
+) -> None:
     simulate(tmp_path, temperature_c=86)
     agent.interval = 0.01
     agent.start()
@@ -219,12 +231,23 @@ def active_runtime(client: FakeClient) -> Any:
     from torchpass_slurm.config import SupervisorConfig
     from torchpass_slurm.rank import runtime
 
-    env = {"TORCHPASS_CONTROL": "tcp://ctl:5555", "TORCHPASS_SECRET_FILE": "/run/secret",
-           "TORCHPASS_ROLE": "active", "TORCHPASS_JOB_ID": "42", "TORCHPASS_NODE": "c2",
-           "TORCHPASS_EPOCH": "3", "TORCHPASS_NTASKS_PER_NODE": "1", "SLURM_LOCALID": "0",
-           "TORCHPASS_RANK_BASE": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "c1", "MASTER_PORT": "1"}
-    return runtime.init(env, client_factory=lambda *_: client,
-                        config=SupervisorConfig(heartbeat_interval=0.01))
+    env = {
+        "TORCHPASS_CONTROL": "tcp://ctl:5555",
+        "TORCHPASS_SECRET_FILE": "/run/secret",
+        "TORCHPASS_ROLE": "active",
+        "TORCHPASS_JOB_ID": "42",
+        "TORCHPASS_NODE": "c2",
+        "TORCHPASS_EPOCH": "3",
+        "TORCHPASS_NTASKS_PER_NODE": "1",
+        "SLURM_LOCALID": "0",
+        "TORCHPASS_RANK_BASE": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "c1",
+        "MASTER_PORT": "1",
+    }
+    return runtime.init(
+        env, client_factory=lambda *_: client, config=SupervisorConfig(heartbeat_interval=0.01)
+    )
 
 
 def test_runtime_close_stops_its_agent(health_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -240,8 +263,9 @@ def test_runtime_close_stops_its_agent(health_env: Path, monkeypatch: pytest.Mon
     assert set(health_threads()) <= before
 
 
-def test_the_runtime_passes_its_report_to_the_agent(health_env: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_runtime_passes_its_report_to_the_agent(
+    health_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     simulate(health_env, temperature_c=86)
     monkeypatch.setenv("TORCHPASS_HEALTH_INTERVAL", "0.01")
     client = FakeClient()

@@ -29,10 +29,12 @@ def test_reasons() -> None:
     cfg = HealthConfig()
     assert drain_reason(report(LOST), cfg) == "torchpass: gpu_count: 3 GPU(s) working, expected 4"
     assert drain_reason(report(LOST, LOST, BROKEN), cfg) == (
-        "torchpass: gpu_count: 3 GPU(s) working, expected 4 (+1 more)")
+        "torchpass: gpu_count: 3 GPU(s) working, expected 4 (+1 more)"
+    )
     assert drain_reason(report(BROKEN, HOT), cfg) is None
     assert drain_reason(report(BROKEN), HealthConfig(drain_on_unknown=True)) == (
-        "torchpass: check failed: gpu_temperature: no GPU facts: NVML did not initialise")
+        "torchpass: check failed: gpu_temperature: no GPU facts: NVML did not initialise"
+    )
     long = (Status.CRITICAL, "host_disk", "x" * 500)
     assert len(drain_reason(report(long), cfg) or "") == 120
     assert is_ours("torchpass: x") and not is_ours("Prolog error") and not is_ours(None)
@@ -58,8 +60,9 @@ def test_prolog_unknown_drains_when_the_admin_chose_so() -> None:
     slurm = FakeSlurm()
     outcome = prolog(report(BROKEN), HealthConfig(drain_on_unknown=True), lambda: slurm)
     assert outcome.exit_code == 1
-    assert slurm.calls == [("drain", "n1", "torchpass: check failed: gpu_temperature: no GPU facts: "
-                                           "NVML did not initialise")]
+    assert slurm.calls == [
+        ("drain", "n1", "torchpass: check failed: gpu_temperature: no GPU facts: NVML did not initialise")
+    ]
 
 
 def test_prolog_drain_left_to_slurmd_runs_no_slurm_command() -> None:
@@ -77,11 +80,16 @@ def test_node_check_drains_once_and_resumes_only_its_own(tmp_path: Path) -> None
     assert slurm.changes() == [("drain", "n1", "torchpass: gpu_count: 3 GPU(s) working, expected 4")]
     assert drained_marker(cfg.state_file) == "torchpass: gpu_count: 3 GPU(s) working, expected 4"
 
-    slurm.known = [Node("n1", "IDLE", frozenset({"DRAIN"}), "torchpass: gpu_count: 3 GPU(s) working, expected 4")]
-    assert not node_check(report(LOST), cfg, lambda: slurm, now=NOW).drained  # already drained: no second drain
+    slurm.known = [
+        Node("n1", "IDLE", frozenset({"DRAIN"}), "torchpass: gpu_count: 3 GPU(s) working, expected 4")
+    ]
+    assert not node_check(
+        report(LOST), cfg, lambda: slurm, now=NOW
+    ).drained  # already drained: no second drain
     outcome = node_check(report(), cfg, lambda: slurm, now=NOW)
-    assert outcome.message == ("torchpass: resumed n1, OK again (was: torchpass: gpu_count: 3 GPU(s) working, "
-                               "expected 4)")
+    assert outcome.message == (
+        "torchpass: resumed n1, OK again (was: torchpass: gpu_count: 3 GPU(s) working, expected 4)"
+    )
     assert slurm.changes()[1:] == [("resume", "n1")]
     assert drained_marker(cfg.state_file) is None
 
@@ -119,7 +127,9 @@ def test_undrain_plan_touches_only_torchpass_reasons() -> None:
     ]
     named = plan_undrain(nodes, ["n3", "n9"])
     assert [(s.node, s.action, s.why) for s in named] == [
-        ("n3", "skip", "not drained (MIXED)"), ("n9", "skip", "Slurm knows no such node")]
+        ("n3", "skip", "not drained (MIXED)"),
+        ("n9", "skip", "Slurm knows no such node"),
+    ]
     slurm = FakeSlurm(nodes)
     undrain(slurm, steps, dry_run=True)
     assert slurm.calls == []

@@ -51,9 +51,10 @@ EXPECTED = {
     "stalls_in_python": HUNG,
     "hangs_at_import": HUNG,
     "exits_at_import": "pynvml does not import: SystemExit: 2",
-    "exits_the_process": "the device source failed: the device source ended without an answer (exit status 2)",
+    "exits_the_process": "the device source failed: the device source ended without an answer "
+    "(exit status 2)",
     "crashes": "the device source failed: the device source ended without an answer "
-               "(killed by signal 11 (SIGSEGV))",
+    "(killed by signal 11 (SIGSEGV))",
 }
 
 
@@ -61,7 +62,8 @@ def fake_pynvml(folder: Path, behaviour: str) -> Path:
     at_import, in_init = BEHAVIOURS[behaviour]
     folder.mkdir(exist_ok=True)
     (folder / "pynvml.py").write_text(
-        f"{_FAKE_HEADER}\n{at_import}\n\ndef nvmlInit():\n    {in_init}\n\ndef nvmlShutdown():\n    pass\n")
+        f"{_FAKE_HEADER}\n{at_import}\n\ndef nvmlInit():\n    {in_init}\n\ndef nvmlShutdown():\n    pass\n"
+    )
     return folder
 
 
@@ -72,6 +74,7 @@ def library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> object:
 
     def install(behaviour: str) -> None:
         monkeypatch.syspath_prepend(str(fake_pynvml(tmp_path / "lib", behaviour)))
+
     return install
 
 
@@ -84,7 +87,8 @@ def unknown_line(message: str) -> str:
 @pytest.mark.parametrize("behaviour", list(BEHAVIOURS))
 @pytest.mark.parametrize(("hook", "code"), [("prolog", 0), ("epilog", 0), ("node-check", 3)])
 def test_a_misbehaving_library_is_unknown_in_time_and_drains_nothing(
-        sim: Sim, slurm: FakeSlurm, library: object, behaviour: str, hook: str, code: int) -> None:
+    sim: Sim, slurm: FakeSlurm, library: object, behaviour: str, hook: str, code: int
+) -> None:
     library(behaviour)  # type: ignore[operator]
     sim.configure(timeout_s=BUDGET_S)
     started = time.monotonic()
@@ -97,7 +101,8 @@ def test_a_misbehaving_library_is_unknown_in_time_and_drains_nothing(
 
 @pytest.mark.parametrize("behaviour", ["hangs_in_c_holding_the_gil", "crashes"])
 def test_with_drain_on_unknown_the_prolog_drains_once(
-        sim: Sim, slurm: FakeSlurm, library: object, behaviour: str) -> None:
+    sim: Sim, slurm: FakeSlurm, library: object, behaviour: str
+) -> None:
     library(behaviour)  # type: ignore[operator]
     sim.configure(timeout_s=BUDGET_S, drain_on_unknown=True)
     result = tp("health", "prolog", "--source", "nvml")
@@ -117,7 +122,9 @@ def hung_slurm(folder: Path) -> str:
     return f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def test_a_hung_scontrol_on_critical_is_cut_short(sim: Sim, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hung_scontrol_on_critical_is_cut_short(
+    sim: Sim, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PATH", hung_slurm(tmp_path / "bin"))
     sim.gpus(sim_gpu(0, ecc_uncorrected=4), sim_gpu(1))
     sim.configure(slurm_timeout_s=0.5)
@@ -126,18 +133,22 @@ def test_a_hung_scontrol_on_critical_is_cut_short(sim: Sim, tmp_path: Path, monk
     took = time.monotonic() - started
     reason = "torchpass: gpu_ecc_uncorrected: GPU 0: 4 uncorrected ECC error(s) (critical at 1)"
     argv = f"scontrol update NodeName=n1 State=DRAIN 'Reason={reason}'"
-    assert result == (1, "", f"{reason}; draining failed (`{argv}` did not finish within 0.5 s), "
-                             "slurmd drains the node\n")
+    assert result == (
+        1,
+        "",
+        f"{reason}; draining failed (`{argv}` did not finish within 0.5 s), slurmd drains the node\n",
+    )
     assert took < 0.5 + SLACK_S, f"the prolog took {took:.2f} s"
 
 
-def test_node_check_with_a_hung_scontrol_is_unknown(sim: Sim, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_node_check_with_a_hung_scontrol_is_unknown(
+    sim: Sim, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PATH", hung_slurm(tmp_path / "bin"))
     sim.gpus(sim_gpu(0, ecc_uncorrected=4), sim_gpu(1))
     sim.configure(slurm_timeout_s=0.5)
     result = tp("health", "node-check")
-    assert result == (3, "", "torchpass: n1: Slurm failed: `sinfo --json` did not finish "
-                             "within 0.5 s\n")
+    assert result == (3, "", "torchpass: n1: Slurm failed: `sinfo --json` did not finish within 0.5 s\n")
 
 
 def test_the_default_budget_keeps_the_worst_hook_under_10_s(sim: Sim, tmp_path: Path) -> None:
@@ -147,14 +158,22 @@ def test_the_default_budget_keeps_the_worst_hook_under_10_s(sim: Sim, tmp_path: 
     del config["timeout_s"]  # the defaults: timeout_s and slurm_timeout_s
     config["drain_on_unknown"] = True
     sim.config.write_text(json.dumps(config))
-    env = {**os.environ, "PYTHONPATH": f"{lib}{os.pathsep}{Path(__file__).resolve().parents[3]}",
-           "PATH": hung_slurm(tmp_path / "bin"), "TORCHPASS_HEALTH_CONFIG": str(sim.config),
-           "SLURMD_NODENAME": "n1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{lib}{os.pathsep}{Path(__file__).resolve().parents[3]}",
+        "PATH": hung_slurm(tmp_path / "bin"),
+        "TORCHPASS_HEALTH_CONFIG": str(sim.config),
+        "SLURMD_NODENAME": "n1",
+    }
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torchpass_slurm.cli.main", "health", "node-check",
-                           "--source", "nvml"], env=env, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchpass_slurm.cli.main", "health", "node-check", "--source", "nvml"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     took = time.monotonic() - started
     assert took < 10, f"node-check took {took:.2f} s"
     assert (proc.returncode, proc.stdout) == (3, "")
-    assert proc.stderr == ("torchpass: n1: Slurm failed: `sinfo --json` did not finish "
-                           "within 1.5 s\n")
+    assert proc.stderr == ("torchpass: n1: Slurm failed: `sinfo --json` did not finish within 1.5 s\n")

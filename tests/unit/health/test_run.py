@@ -34,8 +34,9 @@ class SleepingSource:
 def test_a_hung_source_is_unknown_within_the_timeout(tmp_path: Path) -> None:
     source = SleepingSource(30)
     started = time.monotonic()
-    report = run_health(HealthConfig(timeout_s=0.3, expected_gpus=1, state_file=""), source,
-                        node="n1", host=host)
+    report = run_health(
+        HealthConfig(timeout_s=0.3, expected_gpus=1, state_file=""), source, node="n1", host=host
+    )
     elapsed = time.monotonic() - started
     source.release.set()
     assert elapsed < 2.0
@@ -55,8 +56,12 @@ def test_a_hung_host_gather_is_unknown(tmp_path: Path) -> None:
     report = run_health(cfg, SimulatedSource(_write(tmp_path, {"gpus": []})), node="n1", host=hanging_host)
     stuck.set()
     disk = [r for r in report.results if r.check == "host_disk"]
-    assert [(r.status, r.message) for r in disk] == [(Status.UNKNOWN, "/nfs/home: free space unknown: did not "
-                                                      "finish within 0.2 s (timeout_s; a hung file system?)")]
+    assert [(r.status, r.message) for r in disk] == [
+        (
+            Status.UNKNOWN,
+            "/nfs/home: free space unknown: did not finish within 0.2 s (timeout_s; a hung file system?)",
+        )
+    ]
 
 
 def _write(tmp_path: Path, doc: dict) -> Path:  # type: ignore[type-arg]
@@ -71,14 +76,17 @@ def test_ecc_rate_across_runs_with_the_state_file(sim: Sim) -> None:
 
     def run(corrected: int) -> Status:
         sim.gpus(sim_gpu(0, ecc_corrected=corrected))
-        report = run_health(cfg, SimulatedSource(sim.devices), node="n1", host=host,
-                            wall_clock=lambda: next(times))
+        report = run_health(
+            cfg, SimulatedSource(sim.devices), node="n1", host=host, wall_clock=lambda: next(times)
+        )
         [rate] = [r for r in report.results if r.check == "gpu_ecc_corrected_rate"]
         return rate.status
 
     assert run(10) == Status.OK  # first sample stored
     assert json.loads(sim.state.read_text())["ecc"] == {"GPU-0": {"ecc_corrected": 10, "time": NOW}}
-    assert run(70) == Status.WARNING  # 60 in half an hour: 120/h; the sample is kept (younger than the window)
+    assert (
+        run(70) == Status.WARNING
+    )  # 60 in half an hour: 120/h; the sample is kept (younger than the window)
     assert run(1100) == Status.CRITICAL  # 1090 in an hour; the window passed: the sample is replaced
     assert json.loads(sim.state.read_text())["ecc"]["GPU-0"] == {"ecc_corrected": 1100, "time": NOW + 3600}
     assert run(1150) == Status.OK  # 50 in 3700 s
@@ -100,13 +108,31 @@ def test_host_facts(tmp_path: Path) -> None:
     assert (facts.memory_total_mb, facts.memory_available_mb) == (2.0, 1.0)
     assert facts.disks[0].free_mb is not None and facts.disks[0].free_mb > 0
     assert facts.disks[1].error == "No such file or directory"
-    assert gather_host([], tmp_path / "nope").error == f"cannot read {tmp_path / 'nope'}: No such file or directory"
+    assert (
+        gather_host([], tmp_path / "nope").error
+        == f"cannot read {tmp_path / 'nope'}: No such file or directory"
+    )
 
 
 def test_report_json() -> None:
-    report = run_health(HealthConfig(state_file="", expected_gpus=0), SleepingSource(0), node="n7", host=host,
-                        wall_clock=lambda: NOW)
+    report = run_health(
+        HealthConfig(state_file="", expected_gpus=0),
+        SleepingSource(0),
+        node="n7",
+        host=host,
+        wall_clock=lambda: NOW,
+    )
     doc = report.as_dict()
-    assert (doc["node"], doc["source"], doc["status"], doc["exit_code"], doc["time"]) == ("n7", "nvml", "OK", 0, NOW)
-    assert doc["results"][0] == {"check": "gpu_count", "status": "OK", "gpu": None,
-                                 "message": "1 GPU(s) working; count not checked (expected_gpus = 0)"}
+    assert (doc["node"], doc["source"], doc["status"], doc["exit_code"], doc["time"]) == (
+        "n7",
+        "nvml",
+        "OK",
+        0,
+        NOW,
+    )
+    assert doc["results"][0] == {
+        "check": "gpu_count",
+        "status": "OK",
+        "gpu": None,
+        "message": "1 GPU(s) working; count not checked (expected_gpus = 0)",
+    }

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 import types
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,17 +20,29 @@ from .conftest import Sim, sim_gpu
 
 
 def test_simulated_source_reads_every_field(sim: Sim) -> None:
-    sim.gpus(sim_gpu(0, xid_errors=[79], nvlink_errors=[{"link": 2, "counter": "replay", "value": 5}],
-                     errors={"pcie_gen": "boom"}), {"index": 1, "lost": True})
+    sim.gpus(
+        sim_gpu(
+            0,
+            xid_errors=[79],
+            nvlink_errors=[{"link": 2, "counter": "replay", "value": 5}],
+            errors={"pcie_gen": "boom"},
+        ),
+        {"index": 1, "lost": True},
+    )
     first, second = SimulatedSource(sim.devices).gpus()
     assert (first.xid_errors, first.nvlink_errors, first.errors) == (
-        (79,), (NvlinkCounter(2, "replay", 5),), (("pcie_gen", "boom"),))
+        (79,),
+        (NvlinkCounter(2, "replay", 5),),
+        (("pcie_gen", "boom"),),
+    )
     assert (second.uuid, second.lost, second.temperature_c) == ("SIM-GPU-1", True, None)
 
 
 def test_simulated_source_errors(sim: Sim) -> None:
     sim.write({"broken": "NVML_ERROR_LIB_RM_VERSION_MISMATCH"})
-    with pytest.raises(SourceError, match="the simulated library is broken: NVML_ERROR_LIB_RM_VERSION_MISMATCH"):
+    with pytest.raises(
+        SourceError, match="the simulated library is broken: NVML_ERROR_LIB_RM_VERSION_MISMATCH"
+    ):
         SimulatedSource(sim.devices).gpus()
     sim.gpus({"index": 0, "temprature_c": 3})
     with pytest.raises(SourceError, match=r"gpus\[0\] has unknown field\(s\) temprature_c"):
@@ -40,13 +51,17 @@ def test_simulated_source_errors(sim: Sim) -> None:
         SimulatedSource(sim.root / "missing.json").gpus()
 
 
-@pytest.mark.parametrize(("gpu", "message"), [
-    ({"index": 0, "lost": "no"}, r"gpus\[0\]\.lost is 'no'; expected bool"),
-    ({"index": 0, "ecc_corrected": "12"}, r"gpus\[0\]\.ecc_corrected is '12'; expected int"),
-    ({"index": 0, "ecc_uncorrected": True}, r"gpus\[0\]\.ecc_uncorrected is True; expected int"),
-    ({"index": 0, "temperature_c": [90]}, r"gpus\[0\]\.temperature_c is \[90\]; expected int or float"),
-    ({"index": "0"}, r"gpus\[0\]\.index is '0'; expected int"),
-], ids=["lost-as-text", "ecc-as-text", "ecc-as-bool", "temperature-as-list", "index-as-text"])
+@pytest.mark.parametrize(
+    ("gpu", "message"),
+    [
+        ({"index": 0, "lost": "no"}, r"gpus\[0\]\.lost is 'no'; expected bool"),
+        ({"index": 0, "ecc_corrected": "12"}, r"gpus\[0\]\.ecc_corrected is '12'; expected int"),
+        ({"index": 0, "ecc_uncorrected": True}, r"gpus\[0\]\.ecc_uncorrected is True; expected int"),
+        ({"index": 0, "temperature_c": [90]}, r"gpus\[0\]\.temperature_c is \[90\]; expected int or float"),
+        ({"index": "0"}, r"gpus\[0\]\.index is '0'; expected int"),
+    ],
+    ids=["lost-as-text", "ecc-as-text", "ecc-as-bool", "temperature-as-list", "index-as-text"],
+)
 def test_simulated_source_type_checks_its_file(sim: Sim, gpu: dict[str, Any], message: str) -> None:
     """A mistyped fact is the file's mistake, said so: never a GPU that looks lost or failing."""
     sim.gpus(gpu)
@@ -75,8 +90,13 @@ class NVMLError(Exception):
         self.value = value
 
 
-def fake_pynvml(*, init_error: int | None = None, lost: set[int] = frozenset(),  # type: ignore[assignment]
-                unsupported: set[str] = frozenset(), failing: dict[str, int] | None = None) -> types.ModuleType:  # type: ignore[assignment]
+def fake_pynvml(
+    *,
+    init_error: int | None = None,
+    lost: set[int] = frozenset(),  # type: ignore[assignment]
+    unsupported: set[str] = frozenset(),
+    failing: dict[str, int] | None = None,
+) -> types.ModuleType:  # type: ignore[assignment]
     """A pynvml with two GPUs; any call can be made to fail with an NVML code."""
     failing = failing or {}
     nvml = types.ModuleType("pynvml")
@@ -90,6 +110,7 @@ def fake_pynvml(*, init_error: int | None = None, lost: set[int] = frozenset(), 
             if name in failing:
                 raise NVMLError(failing[name])
             return value(*args) if callable(value) else value
+
         return fn
 
     def init() -> None:
@@ -129,12 +150,20 @@ def fake_pynvml(*, init_error: int | None = None, lost: set[int] = frozenset(), 
 
 def test_nvml_source_reads_a_healthy_gpu() -> None:
     nvml = fake_pynvml()
-    first, second = NvmlSource(nvml).gpus()
+    first, _second = NvmlSource(nvml).gpus()
     assert (first.uuid, first.name, first.temperature_c, first.slowdown_c, first.shutdown_c) == (
-        "GPU-h0", "NVIDIA H100", 61, 88, 95)
+        "GPU-h0",
+        "NVIDIA H100",
+        61,
+        88,
+        95,
+    )
     assert (first.ecc_corrected, first.ecc_uncorrected, first.retired_pages) == (12, 0, 1)
     assert (first.retired_pages_pending, first.remapped_rows_pending, first.remapped_rows_failure) == (
-        False, True, False)
+        False,
+        True,
+        False,
+    )
     assert first.throttle_reasons == ("gpu_idle", "hw_slowdown")
     assert (first.pcie_gen, first.pcie_gen_max, first.pcie_width, first.pcie_width_max) == (4, 5, 16, 16)
     assert first.nvlink_errors is not None and len(first.nvlink_errors) == 8
@@ -150,8 +179,9 @@ def test_nvml_init_failure_is_a_source_error() -> None:
 
 
 def test_nvml_lost_unsupported_and_failing_queries() -> None:
-    nvml = fake_pynvml(lost={1}, unsupported={"nvmlDeviceGetRemappedRows"},
-                       failing={"nvmlDeviceGetTemperature": 999})
+    nvml = fake_pynvml(
+        lost={1}, unsupported={"nvmlDeviceGetRemappedRows"}, failing={"nvmlDeviceGetTemperature": 999}
+    )
     first, second = NvmlSource(nvml).gpus()
     assert second.lost and second.uuid == "index-1"
     assert (first.remapped_rows_pending, first.remapped_rows_failure) == (None, None)
@@ -201,7 +231,8 @@ def test_amdsmi_source() -> None:
     smi.amdsmi_get_gpu_bad_page_info = lambda h: [{"status": "AmdSmiMemoryPageStatus.PENDING"}]  # type: ignore[attr-defined]
     smi.amdsmi_get_pcie_info = lambda h: {  # type: ignore[attr-defined]
         "pcie_static": {"max_pcie_width": 16, "max_pcie_speed": 32000},
-        "pcie_metric": {"pcie_width": 8, "pcie_speed": 16000}}
+        "pcie_metric": {"pcie_width": 8, "pcie_speed": 16000},
+    }
 
     def xgmi(h: str) -> int:
         raise RuntimeError("xgmi query failed")
@@ -209,18 +240,26 @@ def test_amdsmi_source() -> None:
     smi.amdsmi_gpu_xgmi_error_status = xgmi  # type: ignore[attr-defined]
     [gpu] = AmdSmiSource(smi).gpus()
     assert (gpu.uuid, gpu.temperature_c, gpu.slowdown_c, gpu.shutdown_c) == ("AMD-0", 70, 100, 105)
-    assert (gpu.ecc_corrected, gpu.ecc_uncorrected, gpu.retired_pages, gpu.retired_pages_pending) == (3, 1, 1, True)
+    assert (gpu.ecc_corrected, gpu.ecc_uncorrected, gpu.retired_pages, gpu.retired_pages_pending) == (
+        3,
+        1,
+        1,
+        True,
+    )
     assert (gpu.pcie_gen, gpu.pcie_gen_max, gpu.pcie_width, gpu.pcie_width_max) == (4, 5, 8, 16)
     assert gpu.errors == (("nvlink_errors", "RuntimeError: xgmi query failed"),)
 
 
-@pytest.mark.parametrize(("doc", "message"), [
-    ({"hang_s": "30"}, "hang_s is '30'; expected a number of seconds"),
-    ({"hang_s": True}, "hang_s is True; expected a number of seconds"),
-    ({"broken": True}, r"broken is True; expected a string \(the error the library reports\)"),
-    ({"gpus": {"index": 0}}, "gpus is {'index': 0}; expected a list of GPU objects"),
-    ({"gpu": []}, r"unknown key\(s\) gpu"),
-])
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"hang_s": "30"}, "hang_s is '30'; expected a number of seconds"),
+        ({"hang_s": True}, "hang_s is True; expected a number of seconds"),
+        ({"broken": True}, r"broken is True; expected a string \(the error the library reports\)"),
+        ({"gpus": {"index": 0}}, "gpus is {'index': 0}; expected a list of GPU objects"),
+        ({"gpu": []}, r"unknown key\(s\) gpu"),
+    ],
+)
 def test_simulated_source_type_checks_its_top_level_keys(sim: Sim, doc: dict[str, Any], message: str) -> None:
     sim.write(doc)
     with pytest.raises(SourceError, match=message):

@@ -60,9 +60,7 @@ class FakeRunner:
             raise answer
         return CommandResult(key, answer)
 
-    def spawn(
-        self, argv: Sequence[str], *, env: Mapping[str, str] | None = None
-    ) -> subprocess.Popen[bytes]:
+    def spawn(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
         key = tuple(argv)
         self.calls.append(Call(key, None, env))
         if key not in self.answers:

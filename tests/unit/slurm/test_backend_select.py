@@ -27,8 +27,16 @@ def fake_pyslurm(version: str) -> types.ModuleType:
     mod.__version__ = version  # type: ignore[attr-defined]
     node = _Obj(name="n2", state="MIXED+DRAIN", reason="tp: x", partitions=["debug"], total_cpus=2)
     mod.Nodes = _Obj(load=lambda: {"n2": node})  # type: ignore[attr-defined]
-    job = _Obj(id=7, name="j", state="RUNNING", nodes="n[1-2]", batch_host="n1",
-               partition="debug", state_reason="None", num_nodes=2)
+    job = _Obj(
+        id=7,
+        name="j",
+        state="RUNNING",
+        nodes="n[1-2]",
+        batch_host="n1",
+        partition="debug",
+        state_reason="None",
+        num_nodes=2,
+    )
     mod.Job = _Obj(load=lambda job_id: job)  # type: ignore[attr-defined]
     return mod
 
@@ -90,7 +98,8 @@ def test_unknown_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("version", "ok"), [("24.11.0", True), ("24.11", True), ("24.05.3", False), ("25.11.0", False), ("", False), ("x.y", False)]
+    ("version", "ok"),
+    [("24.11.0", True), ("24.11", True), ("24.05.3", False), ("25.11.0", False), ("", False), ("x.y", False)],
 )
 def test_pyslurm_matches(version: str, ok: bool) -> None:
     mod = types.ModuleType("pyslurm")

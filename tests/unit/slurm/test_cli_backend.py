@@ -104,8 +104,7 @@ def test_job_gone_carries_slurms_words_and_a_hint(fake_runner: FakeRunner, versi
     err = info.value
     assert (err.argv, err.returncode) == (tuple(argv), 1)
     assert err.message == (
-        "`scontrol -o show job 999999` exited with status 1: "
-        "slurm_load_jobs error: Invalid job id specified"
+        "`scontrol -o show job 999999` exited with status 1: slurm_load_jobs error: Invalid job id specified"
     )
     assert "sacct -j 999999" in (err.hint or "")
 
@@ -150,16 +149,34 @@ def test_ping_other_failure_raises(fake_runner: FakeRunner) -> None:
 
 def test_srun_argv_uses_the_no_kill_flag() -> None:
     assert srun_argv(["python", "train.py"], node="n3", job_id=7, ntasks=2, job_name="tp-rank") == [
-        "srun", "--no-kill", "--nodes=1", "--ntasks=2", "--nodelist=n3",
-        "--jobid=7", "--job-name=tp-rank", "python", "train.py",
+        "srun",
+        "--no-kill",
+        "--nodes=1",
+        "--ntasks=2",
+        "--nodelist=n3",
+        "--jobid=7",
+        "--job-name=tp-rank",
+        "python",
+        "train.py",
     ]
     assert srun_argv(["true"], node="n1", extra_args=["--overlap"]) == [
-        "srun", "--no-kill", "--nodes=1", "--ntasks=1", "--nodelist=n1", "--overlap", "true",
+        "srun",
+        "--no-kill",
+        "--nodes=1",
+        "--ntasks=1",
+        "--nodelist=n1",
+        "--overlap",
+        "true",
     ]
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"command": [], "node": "n1"}, {"command": ["x"], "node": "n[1-2]"}, {"command": ["x"], "node": "n1", "ntasks": 0}]
+    "kwargs",
+    [
+        {"command": [], "node": "n1"},
+        {"command": ["x"], "node": "n[1-2]"},
+        {"command": ["x"], "node": "n1", "ntasks": 0},
+    ],
 )
 def test_srun_argv_rejects_nonsense(kwargs: dict) -> None:
     with pytest.raises(ValueError):
@@ -174,13 +191,23 @@ def test_step_env_drops_slurm_no_kill() -> None:
 def test_step_env_for_a_merged_node_drops_cpus_per_task_of_every_het_component() -> None:
     """Measured on Slurm 24.11: a step on a node merged into a heterogeneous job's component
     stayed pending ("Requested nodes are busy") with SLURM_CPUS_PER_TASK_HET_GROUP_1 set."""
-    base = {"PATH": "/bin", "SLURM_CPUS_PER_TASK": "2", "SLURM_CPUS_PER_TASK_HET_GROUP_0": "2",
-            "SLURM_CPUS_PER_TASK_HET_GROUP_1": "1", "SLURM_CPUS_PER_TASK_PACK_GROUP_1": "1",
-            "SLURM_TRES_PER_TASK_HET_GROUP_1": "cpu=1", "SLURM_CPUS_ON_NODE": "2",
-            "SLURM_JOB_NODELIST_HET_GROUP_1": "c[1-4]"}
+    base = {
+        "PATH": "/bin",
+        "SLURM_CPUS_PER_TASK": "2",
+        "SLURM_CPUS_PER_TASK_HET_GROUP_0": "2",
+        "SLURM_CPUS_PER_TASK_HET_GROUP_1": "1",
+        "SLURM_CPUS_PER_TASK_PACK_GROUP_1": "1",
+        "SLURM_TRES_PER_TASK_HET_GROUP_1": "cpu=1",
+        "SLURM_CPUS_ON_NODE": "2",
+        "SLURM_JOB_NODELIST_HET_GROUP_1": "c[1-4]",
+    }
     env = step_env(base, {"TP_RANK": "0"}, EXPANDED_NODE_UNSET)
-    assert env == {"PATH": "/bin", "SLURM_CPUS_ON_NODE": "2", "SLURM_JOB_NODELIST_HET_GROUP_1": "c[1-4]",
-                   "TP_RANK": "0"}
+    assert env == {
+        "PATH": "/bin",
+        "SLURM_CPUS_ON_NODE": "2",
+        "SLURM_JOB_NODELIST_HET_GROUP_1": "c[1-4]",
+        "TP_RANK": "0",
+    }
     assert step_env(base) == base  # a node of the original allocation keeps them
 
 
@@ -190,7 +217,9 @@ def test_launch_step_spawns_srun_without_slurm_no_kill(
     monkeypatch.setenv("SLURM_NO_KILL", "1")
     argv = srun_argv(["python", "-m", "worker"], node="n2", job_id=9)
     fake_runner.on(argv)
-    proc = make(fake_runner).launch_step(["python", "-m", "worker"], node="n2", job_id=9, env={"TP_RANK": "1"})
+    proc = make(fake_runner).launch_step(
+        ["python", "-m", "worker"], node="n2", job_id=9, env={"TP_RANK": "1"}
+    )
     assert proc.wait(timeout=10) == 0
     env = fake_runner.calls[0].env
     assert env is not None and "SLURM_NO_KILL" not in env and env["TP_RANK"] == "1"
@@ -200,9 +229,11 @@ def test_launch_step_spawns_srun_without_slurm_no_kill(
 def test_the_default_partition_is_the_one_scontrol_marks_default(fake_runner: FakeRunner) -> None:
     """A service partition beside the default one (issue 15) must not count towards what a job
     without -p can get: tp-submit sizes it by the default partition."""
-    fake_runner.on(["scontrol", "show", "partition", "-o"],
-                   "PartitionName=debug AllowGroups=ALL Default=YES Nodes=c[1-5] State=UP\n"
-                   "PartitionName=service AllowGroups=ALL Default=NO Nodes=s1 State=UP\n")
+    fake_runner.on(
+        ["scontrol", "show", "partition", "-o"],
+        "PartitionName=debug AllowGroups=ALL Default=YES Nodes=c[1-5] State=UP\n"
+        "PartitionName=service AllowGroups=ALL Default=NO Nodes=s1 State=UP\n",
+    )
     assert make(fake_runner).default_partition() == "debug"
 
 
@@ -235,15 +266,24 @@ def _job_7_in_turn(fake_runner: FakeRunner, first: list[str], then: str) -> None
 
 def test_expand_job_asks_for_one_node_beside_the_job_and_merges_it(fake_runner: FakeRunner) -> None:
     fake_runner.on(["scontrol", "-o", "show", "job", "7"], _job_line(7, "c[1-3]"))
-    salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=60", "--job-name=tp-spare-7"]
+    salloc = [
+        "salloc",
+        "--no-shell",
+        "-N1",
+        "--dependency=expand:7",
+        "--immediate=60",
+        "--job-name=tp-spare-7",
+    ]
     fake_runner.on([*salloc, "--partition=debug", "--exclude=c[1-3,5]"], "salloc: Granted job allocation 9\n")
     fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c4"))
     fake_runner.on(["scontrol", "update", "JobId=9", "NumNodes=0"])
     fake_runner.on(["scontrol", "update", "JobId=7", "NumNodes=ALL"])
 
     assert make(fake_runner).expand_job(7, wait_s=60, exclude=["c5"]) == ("c4",)
-    assert [c.argv[:3] for c in fake_runner.calls][-3:-1] == [("scontrol", "update", "JobId=9"),
-                                                            ("scontrol", "update", "JobId=7")]
+    assert [c.argv[:3] for c in fake_runner.calls][-3:-1] == [
+        ("scontrol", "update", "JobId=9"),
+        ("scontrol", "update", "JobId=7"),
+    ]
     # then the job's nodes are read once more: none it had left came back, nothing is shrunk
     assert fake_runner.calls[-1].argv == ("scontrol", "-o", "show", "job", "7")
 
@@ -254,7 +294,14 @@ def test_a_node_the_job_had_left_that_the_merge_gives_back_is_released_again(
     """Slurm 24.11: after a merge the job held c3 again, which it had shrunk out (dead)."""
     before, after = _job_line(7, "c[1-2]"), _job_line(7, "c[1-3,5]")
     _job_7_in_turn(fake_runner, [before, before], after)
-    salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=60", "--job-name=tp-spare-7"]
+    salloc = [
+        "salloc",
+        "--no-shell",
+        "-N1",
+        "--dependency=expand:7",
+        "--immediate=60",
+        "--job-name=tp-spare-7",
+    ]
     fake_runner.on([*salloc, "--partition=debug", "--exclude=c[1-3]"], "salloc: Granted job allocation 9\n")
     fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c5"))
     fake_runner.on(["scontrol", "update", "JobId=9", "NumNodes=0"])
@@ -271,12 +318,22 @@ def test_a_merge_slurm_22_05_declines_for_now_is_done_when_the_job_holds_the_nod
     set"), but NumNodes=0 has moved the node into the job already (steps run on it)."""
     before, after = _job_line(7, "c[1-3]"), _job_line(7, "c[1-4]")
     _job_7_in_turn(fake_runner, [before, before], after)
-    salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=60", "--job-name=tp-spare-7"]
+    salloc = [
+        "salloc",
+        "--no-shell",
+        "-N1",
+        "--dependency=expand:7",
+        "--immediate=60",
+        "--job-name=tp-spare-7",
+    ]
     fake_runner.on([*salloc, "--partition=debug", "--exclude=c[1-3]"], "salloc: Granted job allocation 9\n")
     fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c4"))
     fake_runner.on(["scontrol", "update", "JobId=9", "NumNodes=0"])
-    not_yet = SlurmCommandError(["scontrol"], 1, "Job update not available right now, the DB index is being "
-                                "set, try again in a bit for job 7")
+    not_yet = SlurmCommandError(
+        ["scontrol"],
+        1,
+        "Job update not available right now, the DB index is being set, try again in a bit for job 7",
+    )
     fake_runner.on(["scontrol", "update", "JobId=7", "NumNodes=ALL"], not_yet)
     assert make(fake_runner).expand_job(7, wait_s=60) == ("c4",)
     assert not [c for c in fake_runner.calls if c.argv[0] == "scancel"]
@@ -284,7 +341,14 @@ def test_a_merge_slurm_22_05_declines_for_now_is_done_when_the_job_holds_the_nod
 
 def test_a_merge_declined_for_now_without_the_node_in_the_job_gives_it_back(fake_runner: FakeRunner) -> None:
     fake_runner.on(["scontrol", "-o", "show", "job", "7"], _job_line(7, "c1"))
-    salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=5", "--job-name=tp-spare-7"]
+    salloc = [
+        "salloc",
+        "--no-shell",
+        "-N1",
+        "--dependency=expand:7",
+        "--immediate=5",
+        "--job-name=tp-spare-7",
+    ]
     fake_runner.on([*salloc, "--partition=debug", "--exclude=c1"], "salloc: Granted job allocation 9\n")
     fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c2"))
     fake_runner.on(["scontrol", "update", "JobId=9", "NumNodes=0"])
@@ -299,7 +363,14 @@ def test_a_merge_declined_for_now_without_the_node_in_the_job_gives_it_back(fake
 
 def test_a_merge_that_fails_gives_the_node_back(fake_runner: FakeRunner) -> None:
     fake_runner.on(["scontrol", "-o", "show", "job", "7"], _job_line(7, "c1"))
-    salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=5", "--job-name=tp-spare-7"]
+    salloc = [
+        "salloc",
+        "--no-shell",
+        "-N1",
+        "--dependency=expand:7",
+        "--immediate=5",
+        "--job-name=tp-spare-7",
+    ]
     fake_runner.on([*salloc, "--partition=debug", "--exclude=c1"], "salloc: Granted job allocation 9\n")
     fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c2"))
     refused = SlurmCommandError(["scontrol"], 1, "scontrol: error: Job expansion not permitted")
@@ -315,7 +386,14 @@ def test_a_node_the_job_holds_already_is_given_back_not_merged(fake_runner: Fake
     """Slurm shares nodes between allocations: a request made before the job got c3 may be given
     c3 too. Merging it again took a CPU off the job on 24.11 (4 nodes, 3 CPUs)."""
     fake_runner.on(["scontrol", "-o", "show", "job", "7"], _job_line(7, "c[1-3]"))
-    salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=5", "--job-name=tp-spare-7"]
+    salloc = [
+        "salloc",
+        "--no-shell",
+        "-N1",
+        "--dependency=expand:7",
+        "--immediate=5",
+        "--job-name=tp-spare-7",
+    ]
     fake_runner.on([*salloc, "--partition=debug", "--exclude=c[1-3]"], "salloc: Granted job allocation 9\n")
     fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c3"))
     fake_runner.on(["scancel", "9"])
@@ -330,7 +408,14 @@ def test_a_salloc_killed_at_its_timeout_has_its_request_withdrawn(fake_runner: F
     """salloc withdraws its request when --immediate runs out, but not when it is killed: a
     request left pending would be granted a node that nobody merges."""
     fake_runner.on(["scontrol", "-o", "show", "job", "7"], _job_line(7, "c1"))
-    salloc = ["salloc", "--no-shell", "-N1", "--dependency=expand:7", "--immediate=5", "--job-name=tp-spare-7"]
+    salloc = [
+        "salloc",
+        "--no-shell",
+        "-N1",
+        "--dependency=expand:7",
+        "--immediate=5",
+        "--job-name=tp-spare-7",
+    ]
     fake_runner.on([*salloc, "--partition=debug", "--exclude=c1"], SlurmTimeoutError(salloc, 35))
     fake_runner.on(["scancel", "--name=tp-spare-7"])
 
@@ -340,15 +425,19 @@ def test_a_salloc_killed_at_its_timeout_has_its_request_withdrawn(fake_runner: F
 
 
 def test_slurmd_started_reads_scontrol_for_the_nodes_asked(fake_runner: FakeRunner) -> None:
-    fake_runner.on(["scontrol", "-o", "show", "node", "n[1-2]"],
-                   fixture_text("24.11", "scontrol_show_node_idle.txt"))
+    fake_runner.on(
+        ["scontrol", "-o", "show", "node", "n[1-2]"], fixture_text("24.11", "scontrol_show_node_idle.txt")
+    )
     started = make(fake_runner).slurmd_started(["n2", "n1"])
     assert started == dict.fromkeys(["n1", "n2"], datetime.fromisoformat("2026-11-30T08:45:14").timestamp())
     assert make(fake_runner).slurmd_started([]) == {}
 
 
 def test_config_value_reads_one_setting(fake_runner: FakeRunner) -> None:
-    fake_runner.on(["scontrol", "show", "config"], "Configuration data as of x\nPrologFlags             = Alloc,Contain\n")
+    fake_runner.on(
+        ["scontrol", "show", "config"],
+        "Configuration data as of x\nPrologFlags             = Alloc,Contain\n",
+    )
     slurm = make(fake_runner)
     assert slurm.config_value("PrologFlags") == "Alloc,Contain"
     assert slurm.config_value("NoSuchKey") is None

@@ -51,11 +51,21 @@ def test_nodes_json_is_the_same_for_both_versions(use_fixture) -> None:  # type:
         result = CliRunner().invoke(cli, ["nodes", "--json"])
         assert result.exit_code == 0
         outputs.append(sorted(json.loads(result.output), key=lambda row: row["name"]))
-    assert outputs[0] == outputs[1] == [
-        {"name": "n1", "state": "MIXED", "flags": [], "reason": None, "partitions": ["debug"], "cpus": 2},
-        {"name": "n2", "state": "IDLE", "flags": ["DRAIN"], "reason": "tp: planned maintenance",
-         "partitions": ["debug"], "cpus": 2},
-    ]
+    assert (
+        outputs[0]
+        == outputs[1]
+        == [
+            {"name": "n1", "state": "MIXED", "flags": [], "reason": None, "partitions": ["debug"], "cpus": 2},
+            {
+                "name": "n2",
+                "state": "IDLE",
+                "flags": ["DRAIN"],
+                "reason": "tp: planned maintenance",
+                "partitions": ["debug"],
+                "cpus": 2,
+            },
+        ]
+    )
 
 
 def test_nodes_partition_filter(use_fixture) -> None:  # type: ignore[no-untyped-def]
@@ -78,7 +88,9 @@ def test_nodes_error_is_rendered_once_with_exit_code(
     )
 
 
-def test_nodes_parse_error_exit_code(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_nodes_parse_error_exit_code(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     runner = FakeRunner().on(["sinfo", "--json"], "garbage")
     monkeypatch.setattr(nodes_module, "select_backend", lambda: CliSlurm(runner))
     assert run_cli(cli, ["nodes"], prog_name="tp") == 3

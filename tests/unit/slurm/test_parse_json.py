@@ -203,9 +203,7 @@ def test_errors_reported_inside_the_json_are_raised() -> None:
     doc = {"jobs": [], "errors": [{"description": "Unable to contact slurm controller", "error_number": 1}]}
     with pytest.raises(SlurmError) as info:
         parse_squeue_json(json.dumps(doc))
-    assert info.value.message == (
-        "squeue --json output reported errors: Unable to contact slurm controller"
-    )
+    assert info.value.message == ("squeue --json output reported errors: Unable to contact slurm controller")
 
 
 @pytest.mark.parametrize(

@@ -91,9 +91,7 @@ def test_per_call_timeout_overrides_default(bin_dir: Path) -> None:
 
 
 def test_nonzero_exit_carries_argv_code_and_stderr(bin_dir: Path) -> None:
-    write_script(
-        bin_dir, "scontrol", 'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1'
-    )
+    write_script(bin_dir, "scontrol", 'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1')
     with pytest.raises(SlurmCommandError) as info:
         SubprocessRunner(timeout=5).run(["scontrol", "-o", "show", "job", "999999"])
     err = info.value
@@ -101,8 +99,7 @@ def test_nonzero_exit_carries_argv_code_and_stderr(bin_dir: Path) -> None:
     assert err.returncode == 1
     assert err.stderr == "slurm_load_jobs error: Invalid job id specified\n"
     assert err.message == (
-        "`scontrol -o show job 999999` exited with status 1: "
-        "slurm_load_jobs error: Invalid job id specified"
+        "`scontrol -o show job 999999` exited with status 1: slurm_load_jobs error: Invalid job id specified"
     )
     assert "scontrol ping" in (err.hint or "")
     assert not isinstance(err, SlurmTimeoutError)

@@ -17,9 +17,17 @@ from .conftest import VERSIONS, fixture_text
 def test_running_job(version: str) -> None:
     job = parse_scontrol_job(fixture_text(version, "scontrol_show_job_running.txt"))
     assert job == Job(
-        job_id=1, name="tpfix-job", state="RUNNING", nodes=("n1", "n2"),
-        batch_host="n1", partition="debug", reason=None, num_nodes=2,
-        comment=None, std_out="//slurm-1.out", work_dir="/",
+        job_id=1,
+        name="tpfix-job",
+        state="RUNNING",
+        nodes=("n1", "n2"),
+        batch_host="n1",
+        partition="debug",
+        reason=None,
+        num_nodes=2,
+        comment=None,
+        std_out="//slurm-1.out",
+        work_dir="/",
     )
 
 
@@ -27,10 +35,14 @@ def test_running_job(version: str) -> None:
 def test_comment_written_by_tp_submit(version: str) -> None:
     # The recorded job had no --comment; scontrol then prints Comment= after WorkDir=.
     text = fixture_text(version, "scontrol_show_job_running.txt").replace(
-        "WorkDir=/ ", "WorkDir=/home/u Comment=torchpass:run_dir=/shared/my runs/r1 ")
+        "WorkDir=/ ", "WorkDir=/home/u Comment=torchpass:run_dir=/shared/my runs/r1 "
+    )
     job = parse_scontrol_job(text)
     assert (job.comment, job.work_dir, job.std_out) == (
-        "torchpass:run_dir=/shared/my runs/r1", "/home/u", "//slurm-1.out")
+        "torchpass:run_dir=/shared/my runs/r1",
+        "/home/u",
+        "//slurm-1.out",
+    )
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -83,7 +95,9 @@ def test_values_with_blanks_continue_the_previous_key() -> None:
 
 
 def test_reason_runs_to_end_of_node_line() -> None:
-    (node,) = parse_scontrol_nodes("NodeName=n1 State=DOWN* Reason=disk a=b failed [root@2024-01-01T00:00:00]")
+    (node,) = parse_scontrol_nodes(
+        "NodeName=n1 State=DOWN* Reason=disk a=b failed [root@2024-01-01T00:00:00]"
+    )
     assert node.reason == "disk a=b failed"
     assert node.state_text == "DOWN+NOT_RESPONDING"
 

@@ -42,14 +42,15 @@ def _skip_without_spank_h() -> None:
 def _make(build_dir: Path, *targets: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["make", "-C", str(build_dir), f"SLURM_INCLUDE_DIR={SLURM_INCLUDE_DIR}", *targets],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
 def _copy_sources(dest: Path) -> Path:
     build_dir = dest / "spank"
-    shutil.copytree(SPANK_DIR, build_dir,
-                    ignore=shutil.ignore_patterns("*.o", "*.so", "test_config"))
+    shutil.copytree(SPANK_DIR, build_dir, ignore=shutil.ignore_patterns("*.o", "*.so", "test_config"))
     return build_dir
 
 
@@ -79,11 +80,15 @@ def test_make_check_builds_and_passes(built: Path) -> None:
 
 
 def test_plugin_exports_only_spank_symbols(built: Path) -> None:
-    out = subprocess.run(["nm", "-D", "--defined-only", str(built / "torchpass.so")],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
+    out = subprocess.run(
+        ["nm", "-D", "--defined-only", str(built / "torchpass.so")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     exported = {line.split()[-1] for line in out.splitlines() if len(line.split()) >= 3}
-    unexpected = {s for s in exported
-                  if s not in ALLOWED_EXPORTS and not s.startswith("slurm_spank_")}
+    unexpected = {s for s in exported if s not in ALLOWED_EXPORTS and not s.startswith("slurm_spank_")}
     assert not unexpected, f"torchpass.so exports more than the version script allows: {unexpected}"
     assert REQUIRED_EXPORTS <= exported, f"missing exports: {REQUIRED_EXPORTS - exported}"
 
@@ -91,10 +96,12 @@ def test_plugin_exports_only_spank_symbols(built: Path) -> None:
 def test_plugin_is_linked_with_relro_and_bind_now(built: Path) -> None:
     _skip_without("readelf")
     so = str(built / "torchpass.so")
-    headers = subprocess.run(["readelf", "-lW", so], capture_output=True, text=True,
-                             check=True, timeout=60).stdout
-    dynamic = subprocess.run(["readelf", "-dW", so], capture_output=True, text=True,
-                             check=True, timeout=60).stdout
+    headers = subprocess.run(
+        ["readelf", "-lW", so], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    dynamic = subprocess.run(
+        ["readelf", "-dW", so], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     assert "GNU_RELRO" in headers
     assert "BIND_NOW" in dynamic or "NOW" in dynamic
 
@@ -127,48 +134,55 @@ def _run_lua(job_desc: str) -> tuple[int, str, str]:
     """
     if LUA is None:
         pytest.skip("no Lua interpreter (apt-get install lua5.1) to run job_submit.lua")
-    program = _FAKE_SLURM % str(SPANK_DIR / "job_submit.lua") + f"""
+    program = (
+        _FAKE_SLURM % str(SPANK_DIR / "job_submit.lua")
+        + f"""
 local job = {job_desc}
 local rc = slurm_job_submit(job, {{}}, 1000)
 print(rc)
 print(tostring(job.min_nodes) .. " " .. tostring(job.max_nodes) .. " " .. tostring(job.num_tasks))
 print(table.concat(messages, " | "))
 """
+    )
     proc = subprocess.run([LUA, "-"], input=program, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    rc, nodes, messages = (proc.stdout.split("\n") + ["", "", ""])[:3]
+    rc, nodes, messages = [*proc.stdout.split("\n"), "", "", ""][:3]
     return int(rc), nodes, messages
 
 
 def test_lua_adds_spares_to_the_node_count() -> None:
     rc, nodes, messages = _run_lua(
-        '{ min_nodes = 4, max_nodes = 4, spank_job_env = { [0] = "TORCHPASS_SPARES=2" } }')
+        '{ min_nodes = 4, max_nodes = 4, spank_job_env = { [0] = "TORCHPASS_SPARES=2" } }'
+    )
     assert (rc, nodes) == (0, "6 6 nil")
     assert messages == "torchpass: 4 node(s) + 2 hot spare(s) = 6 nodes"
 
 
 def test_lua_without_n_counts_one_node_and_scales_counted_tasks() -> None:
     rc, nodes, _ = _run_lua(
-        '{ min_nodes = 4294967294, max_nodes = 4294967294, num_tasks = 2, ntasks_per_node = 2,'
-        ' spank_job_env = { [0] = "OTHER=1", [1] = "TORCHPASS_SPARES=1" } }')
+        "{ min_nodes = 4294967294, max_nodes = 4294967294, num_tasks = 2, ntasks_per_node = 2,"
+        ' spank_job_env = { [0] = "OTHER=1", [1] = "TORCHPASS_SPARES=1" } }'
+    )
     assert (rc, nodes) == (0, "2 4294967294 4")
 
 
 def test_lua_leaves_jobs_without_spares_and_tp_submit_jobs_alone() -> None:
     assert _run_lua("{ min_nodes = 3 }")[:2] == (0, "3 nil nil")
-    assert _run_lua('{ min_nodes = 3, spank_job_env = { [0] = "TORCHPASS_SPARES=0" } }')[:2] \
-        == (0, "3 nil nil")
-    tp_submit_job = ('{ min_nodes = 3, spank_job_env = { [0] = "TORCHPASS_SPARES=1" },'
-                     ' script = "#!/bin/bash\\n# Rendered by tp-submit\\n'
-                     'export TORCHPASS_NODES=2\\n" }')
+    assert _run_lua('{ min_nodes = 3, spank_job_env = { [0] = "TORCHPASS_SPARES=0" } }')[:2] == (
+        0,
+        "3 nil nil",
+    )
+    tp_submit_job = (
+        '{ min_nodes = 3, spank_job_env = { [0] = "TORCHPASS_SPARES=1" },'
+        ' script = "#!/bin/bash\\n# Rendered by tp-submit\\n'
+        'export TORCHPASS_NODES=2\\n" }'
+    )
     assert _run_lua(tp_submit_job)[:2] == (0, "3 nil nil")
 
 
 def test_lua_refuses_values_the_spank_plugin_should_have_stopped() -> None:
-    rc, nodes, messages = _run_lua(
-        '{ min_nodes = 2, spank_job_env = { [0] = "TORCHPASS_SPARES=500" } }')
+    rc, nodes, messages = _run_lua('{ min_nodes = 2, spank_job_env = { [0] = "TORCHPASS_SPARES=500" } }')
     assert (rc, nodes) == (-1, "2 nil nil")
     assert messages == "torchpass: 500 spare nodes asked for, this cluster allows at most 64"
-    rc, _, messages = _run_lua(
-        '{ min_nodes = 2, spank_job_env = { [0] = "TORCHPASS_SPARES=x" } }')
+    rc, _, messages = _run_lua('{ min_nodes = 2, spank_job_env = { [0] = "TORCHPASS_SPARES=x" } }')
     assert rc == -1 and messages == "torchpass: TORCHPASS_SPARES=x is not a number of spare nodes"

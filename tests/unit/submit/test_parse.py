@@ -11,8 +11,8 @@ from torchpass_slurm.submit import (
     Option,
     parse_batch_script,
     parse_submit_args,
-    resolve_job_spec,
     render_batch_script,
+    resolve_job_spec,
     sbatch_arguments,
 )
 
@@ -42,8 +42,14 @@ srun hostname
 
 @pytest.mark.parametrize(
     "argv",
-    [["-N3", "s.sh"], ["-N", "3", "s.sh"], ["--nodes=3", "s.sh"], ["--nodes", "3", "s.sh"],
-     ["--nodes=3-3", "s.sh"], ["--nodes", " 3", "s.sh"]],
+    [
+        ["-N3", "s.sh"],
+        ["-N", "3", "s.sh"],
+        ["--nodes=3", "s.sh"],
+        ["--nodes", "3", "s.sh"],
+        ["--nodes=3-3", "s.sh"],
+        ["--nodes", " 3", "s.sh"],
+    ],
 )
 def test_node_count_forms(argv: list[str]) -> None:
     assert spec_of(argv, "#!/bin/sh\n").nodes == 3
@@ -71,13 +77,19 @@ def test_short_options_cluster_like_getopt() -> None:
     ]
     request = parse_submit_args(["-vHN3", "s.sh"])
     assert [(o.name, o.value, o.tokens) for o in request.options] == [
-        ("verbose", None, ("-v",)), ("hold", None, ("-H",)), ("nodes", "3", ("-N3",))]
+        ("verbose", None, ("-v",)),
+        ("hold", None, ("-H",)),
+        ("nodes", "3", ("-N3",)),
+    ]
 
 
 def test_long_options_may_be_abbreviated_like_getopt() -> None:
     assert parse_submit_args(["--part=debug", "s.sh"]).options[0].name == "partition"
-    with pytest.raises(SubmitError, match=r"--node \(the command line\) is ambiguous: it could be "
-                       r"--nodefile, --nodelist, --nodes"):
+    with pytest.raises(
+        SubmitError,
+        match=r"--node \(the command line\) is ambiguous: it could be "
+        r"--nodefile, --nodelist, --nodes",
+    ):
         parse_submit_args(["--node=3", "s.sh"])
 
 
@@ -107,7 +119,10 @@ def test_help_needs_no_script() -> None:
         (["-Z", "s.sh"], "unknown option -Z in '-Z' (the command line)"),
         (["--time"], "--time (the command line) needs a value"),
         (["-N"], "--nodes (the command line) needs a value"),
-        (["--parsable=yes", "s.sh"], "--parsable (the command line) takes no value, but was given '--parsable=yes'"),
+        (
+            ["--parsable=yes", "s.sh"],
+            "--parsable (the command line) takes no value, but was given '--parsable=yes'",
+        ),
     ],
 )
 def test_command_line_errors(argv: list[str], message: str) -> None:
@@ -148,7 +163,10 @@ def test_lookalike_lines_are_plain_comments() -> None:
     [
         ("echo hi\n", "the batch script j does not start with a #! line"),
         ("", "the batch script j does not start with a #! line"),
-        ("#!/bin/sh\n#SBATCH --spares=2\n", "j line 2: --spares is tp-submit's option; sbatch does not know it"),
+        (
+            "#!/bin/sh\n#SBATCH --spares=2\n",
+            "j line 2: --spares is tp-submit's option; sbatch does not know it",
+        ),
         ("#!/bin/sh\n#TP -N 2\n", "unknown option -N in '-N' (j line 2)"),
         ("#!/bin/sh\n#TP --dry-run\n", "j line 2: --dry-run is not allowed in a #TP line"),
         ("#!/bin/sh\n#SBATCH -N 2 extra\n", "j line 2: unexpected 'extra' in '#SBATCH -N 2 extra'"),
@@ -185,10 +203,19 @@ def test_command_line_wins_and_comes_after_the_script_in_passthrough() -> None:
     assert (spec.nodes, spec.spares, spec.job_name) == (4, 0, "big")
     assert spec.sbatch_passthrough == ("--time=10:00", "-c", "4", "--mail-type", "END", "--time", "20:00")
     assert sbatch_arguments(spec) == (
-        "--job-name=big", "--nodes=4", "--ntasks-per-node=1", "--no-kill",
+        "--job-name=big",
+        "--nodes=4",
+        "--ntasks-per-node=1",
+        "--no-kill",
         "--output=/home/u/proj/torchpass-runs/big-20250304-050607/slurm-%j.out",
         "--comment=torchpass:run_dir=/home/u/proj/torchpass-runs/big-20250304-050607",
-        "--time=10:00", "-c", "4", "--mail-type", "END", "--time", "20:00",
+        "--time=10:00",
+        "-c",
+        "4",
+        "--mail-type",
+        "END",
+        "--time",
+        "20:00",
     )
 
 
@@ -209,8 +236,14 @@ def test_run_dir_chdir_output_partition() -> None:
     spec = spec_of(["-D", "work", "-o", "log/%j.out", "-p", "gpu", "--run-dir", "../runs/r1", "--", "true"])
     assert spec.run_dir == "/home/u/runs/r1"  # relative to where tp-submit runs
     assert sbatch_arguments(spec)[:8] == (
-        "--job-name=true", "--nodes=1", "--ntasks-per-node=1", "--no-kill", "--output=log/%j.out",
-        "--comment=torchpass:run_dir=/home/u/runs/r1", "--partition=gpu", "--chdir=work",
+        "--job-name=true",
+        "--nodes=1",
+        "--ntasks-per-node=1",
+        "--no-kill",
+        "--output=log/%j.out",
+        "--comment=torchpass:run_dir=/home/u/runs/r1",
+        "--partition=gpu",
+        "--chdir=work",
     )
     default = spec_of(["-D", "work", "-J", "a b/c", "--", "true"])
     assert default.run_dir == "/home/u/proj/work/torchpass-runs/a_b_c-20250304-050607"
@@ -234,28 +267,56 @@ def test_task_layout(argv: list[str], layout: tuple[int, int]) -> None:
 @pytest.mark.parametrize(
     ("argv", "message", "hint"),
     [
-        (["-N", "2-4"], "-N 2-4: a range of node counts (2 to 4) is not supported",
-         "tp needs a fixed number of active nodes: give one number, e.g. -N 4, and add hot spares with --spares"),
-        (["--nodes=two"], "--nodes=two: the node count must be a whole number, not 'two'",
-         "tp needs a fixed number of active nodes, e.g. -N 4"),
+        (
+            ["-N", "2-4"],
+            "-N 2-4: a range of node counts (2 to 4) is not supported",
+            "tp needs a fixed number of active nodes: give one number, e.g. -N 4, "
+            "and add hot spares with --spares",
+        ),
+        (
+            ["--nodes=two"],
+            "--nodes=two: the node count must be a whole number, not 'two'",
+            "tp needs a fixed number of active nodes, e.g. -N 4",
+        ),
         (["-N0"], "-N0: the job needs at least 1 node", None),
         (["--spares", "abc"], "the number of hot spares must be a whole number, got --spares abc", None),
         (["--spares=-1"], "the number of hot spares must be a whole number, got --spares=-1", None),
-        (["--ntasks-per-node=0"], "the number of tasks per node must be at least 1, got --ntasks-per-node=0", None),
+        (
+            ["--ntasks-per-node=0"],
+            "the number of tasks per node must be at least 1, got --ntasks-per-node=0",
+            None,
+        ),
         (["-n", "x"], "the number of tasks must be a whole number, got -n x", None),
-        (["-N", "2", "-n", "7"], "-n 7 tasks do not spread evenly over -N 2 nodes",
-         "tp runs the same number of tasks on every node"),
-        (["-n", "8"], "-n 8 alone does not say how many nodes the job needs",
-         "give -N/--nodes too (or --ntasks-per-node)"),
-        (["-n", "7", "--ntasks-per-node=2"], "-n 7 is not a multiple of --ntasks-per-node=2",
-         "tp runs the same number of tasks on every node"),
-        (["-N", "2", "-n", "6", "--ntasks-per-node=4"],
-         "conflicting task counts: -n 6 but -N 2 x --ntasks-per-node=4 = 8",
-         "drop -n/--ntasks: tp-submit derives it from -N and --ntasks-per-node"),
-        (["--no-kill=off"], "--no-kill=off: tp needs --no-kill (a lost node must not end the job)",
-         "remove it; tp-submit always passes --no-kill"),
-        (["--wrap=hostname"], "--wrap=hostname: tp-submit does not take --wrap",
-         "write the command after `--`: tp-submit [OPTIONS] -- COMMAND..."),
+        (
+            ["-N", "2", "-n", "7"],
+            "-n 7 tasks do not spread evenly over -N 2 nodes",
+            "tp runs the same number of tasks on every node",
+        ),
+        (
+            ["-n", "8"],
+            "-n 8 alone does not say how many nodes the job needs",
+            "give -N/--nodes too (or --ntasks-per-node)",
+        ),
+        (
+            ["-n", "7", "--ntasks-per-node=2"],
+            "-n 7 is not a multiple of --ntasks-per-node=2",
+            "tp runs the same number of tasks on every node",
+        ),
+        (
+            ["-N", "2", "-n", "6", "--ntasks-per-node=4"],
+            "conflicting task counts: -n 6 but -N 2 x --ntasks-per-node=4 = 8",
+            "drop -n/--ntasks: tp-submit derives it from -N and --ntasks-per-node",
+        ),
+        (
+            ["--no-kill=off"],
+            "--no-kill=off: tp needs --no-kill (a lost node must not end the job)",
+            "remove it; tp-submit always passes --no-kill",
+        ),
+        (
+            ["--wrap=hostname"],
+            "--wrap=hostname: tp-submit does not take --wrap",
+            "write the command after `--`: tp-submit [OPTIONS] -- COMMAND...",
+        ),
     ],
 )
 def test_resolution_errors(argv: list[str], message: str, hint: str | None) -> None:
@@ -268,7 +329,8 @@ def test_errors_name_the_script_line() -> None:
     with pytest.raises(SubmitError) as info:
         spec_of(["job.sh"], "#!/bin/sh\n#TP --spares=many\n")
     assert info.value.message == (
-        "the number of hot spares must be a whole number, got --spares=many (job.sh line 2)")
+        "the number of hot spares must be a whole number, got --spares=many (job.sh line 2)"
+    )
 
 
 def test_option_str() -> None:
@@ -276,12 +338,19 @@ def test_option_str() -> None:
     assert str(Option("nodes", "3", ("-N3",), "j line 2")) == "-N3 (j line 2)"
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--spares", "２"], "the number of hot spares must be a whole number, got --spares ２"),
-    (["--spares", "²"], "the number of hot spares must be a whole number, got --spares ²"),
-    (["-N", "３"], "-N ３: the node count must be a whole number, not '３'"),
-    (["--ntasks-per-node", "٤"], "the number of tasks per node must be a whole number, got --ntasks-per-node ٤"),
-], ids=["fullwidth-spares", "superscript-spares", "fullwidth-nodes", "arabic-indic-ntasks"])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--spares", "２"], "the number of hot spares must be a whole number, got --spares ２"),  # noqa: RUF001
+        (["--spares", "²"], "the number of hot spares must be a whole number, got --spares ²"),
+        (["-N", "３"], "-N ３: the node count must be a whole number, not '３'"),  # noqa: RUF001
+        (
+            ["--ntasks-per-node", "٤"],
+            "the number of tasks per node must be a whole number, got --ntasks-per-node ٤",
+        ),
+    ],
+    ids=["fullwidth-spares", "superscript-spares", "fullwidth-nodes", "arabic-indic-ntasks"],
+)
 def test_counts_are_ascii_digits(argv: list[str], message: str) -> None:
     """str.isdigit() and \\d take other scripts' digits ('²' even fails int()): counts are 0-9 only."""
     with pytest.raises(SubmitError) as info:
@@ -292,14 +361,17 @@ def test_counts_are_ascii_digits(argv: list[str], message: str) -> None:
 # --- names that go into the batch script (issue 22) ------------------------------
 
 
-@pytest.mark.parametrize(("argv", "what"), [
-    (["--job-name", "a\nb", "train.sh"], "the job name"),
-    (["--supervisor-partition", "svc\n#SBATCH --uid=0", "train.sh"], "the supervisor's partition"),
-    (["-p", "gpu\x1b[2J", "train.sh"], "the partition"),
-    (["--output", "out\r.log", "train.sh"], "--output"),
-    (["--comment", "x\ty", "train.sh"], "--comment"),
-    (["--chdir", "/tmp/a\nb", "train.sh"], "--chdir"),
-])
+@pytest.mark.parametrize(
+    ("argv", "what"),
+    [
+        (["--job-name", "a\nb", "train.sh"], "the job name"),
+        (["--supervisor-partition", "svc\n#SBATCH --uid=0", "train.sh"], "the supervisor's partition"),
+        (["-p", "gpu\x1b[2J", "train.sh"], "the partition"),
+        (["--output", "out\r.log", "train.sh"], "--output"),
+        (["--comment", "x\ty", "train.sh"], "--comment"),
+        (["--chdir", "/tmp/a\nb", "train.sh"], "--chdir"),
+    ],
+)
 def test_a_control_character_in_a_name_is_refused(argv: list[str], what: str) -> None:
     with pytest.raises(SubmitError, match=f"^{what} .* holds the control character"):
         spec_of(argv, "#!/bin/bash\nsrun true\n")
@@ -308,14 +380,17 @@ def test_a_control_character_in_a_name_is_refused(argv: list[str], what: str) ->
 def test_a_newline_in_the_scripts_path_never_reaches_the_rendered_script() -> None:
     request = parse_submit_args(["train.sh"])
     script = parse_batch_script("#!/bin/bash\nsrun true\n", "dir\nrm -rf ~/x\n/train.sh")
-    with pytest.raises(SubmitError, match="^the script's path .* holds the control character"):
+    with pytest.raises(SubmitError, match=r"^the script's path .* holds the control character"):
         resolve_job_spec(request, script, cwd="/home/u/proj", now=NOW)
 
 
-@pytest.mark.parametrize("argv", [
-    ["--spares", "99999999999999999999", "train.sh"],
-    ["-N", "999999", "--spares", "2", "train.sh"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--spares", "99999999999999999999", "train.sh"],
+        ["-N", "999999", "--spares", "2", "train.sh"],
+    ],
+)
 def test_a_node_count_beyond_any_cluster_is_refused(argv: list[str]) -> None:
     with pytest.raises(SubmitError, match="tp-submit allows at most 1,000,000"):
         spec_of(argv, "#!/bin/bash\nsrun true\n")
@@ -341,5 +416,6 @@ def test_a_bad_spare_wait_is_refused_naming_where_it_came_from(value: str) -> No
     with pytest.raises(SubmitError) as info:
         spec_of([f"--spare-wait={value}", "--", "true"])
     assert info.value.message == (
-        f"--spare-wait={value!r} (from the command line) is not a number of seconds from 0 to 604800")
+        f"--spare-wait={value!r} (from the command line) is not a number of seconds from 0 to 604800"
+    )
     assert "--spare-wait 300" in (info.value.hint or "")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from torchpass_slurm.errors import SubmitError
 from torchpass_slurm.submit import (
     JobSpec,
     check_partition_fits,
@@ -21,7 +22,6 @@ from torchpass_slurm.submit import (
     sbatch_arguments,
     sbatch_command_line,
 )
-from torchpass_slurm.errors import SubmitError
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("TP_UPDATE_GOLDEN") == "1"
@@ -84,19 +84,36 @@ def test_rendering_is_pure() -> None:
 
 
 def test_script_without_trailing_newline_or_args() -> None:
-    spec = JobSpec(nodes=1, spares=0, ntasks_per_node=1, job_name="j", run_dir="/r",
-                   secret_file="/r/s", source="j.sh", shebang="#!/bin/sh", body="tp run true")
+    spec = JobSpec(
+        nodes=1,
+        spares=0,
+        ntasks_per_node=1,
+        job_name="j",
+        run_dir="/r",
+        secret_file="/r/s",
+        source="j.sh",
+        shebang="#!/bin/sh",
+        body="tp run true",
+    )
     assert render_batch_script(spec).endswith(
         "export TORCHPASS_SECRET_FILE=/r/s\n"
         "# ---- j.sh, without its #! line; its #SBATCH lines are inert here ----\n"
-        "tp run true\n")
+        "tp run true\n"
+    )
 
 
 def test_sbatch_arguments() -> None:
     assert sbatch_arguments(SCRIPT_SPEC) == (
-        "--job-name=train", "--nodes=6", "--ntasks-per-node=8", "--no-kill",
-        f"--output={RUN_DIR}/slurm-%j.out", f"--comment=torchpass:run_dir={RUN_DIR}", "--partition=gpu",
-        "--time=1:00:00", "--mail-type", "END",
+        "--job-name=train",
+        "--nodes=6",
+        "--ntasks-per-node=8",
+        "--no-kill",
+        f"--output={RUN_DIR}/slurm-%j.out",
+        f"--comment=torchpass:run_dir={RUN_DIR}",
+        "--partition=gpu",
+        "--time=1:00:00",
+        "--mail-type",
+        "END",
     )
     assert sbatch_command_line(COMMAND_SPEC) == (
         "sbatch --parsable --job-name=python --nodes=3 --ntasks-per-node=1 --no-kill "
@@ -117,7 +134,8 @@ def test_partition_fits() -> None:
     with pytest.raises(SubmitError) as info:
         check_partition_fits(SCRIPT_SPEC, "gpu", 5)
     assert info.value.message == (
-        "the job needs 6 nodes (4 active + 2 hot spares), but partition 'gpu' has only 5 nodes")
+        "the job needs 6 nodes (4 active + 2 hot spares), but partition 'gpu' has only 5 nodes"
+    )
     assert info.value.hint == "lower --spares or -N, or pick a larger partition with -p"
     with pytest.raises(SubmitError, match="but the cluster has only 1 node\n"):
         check_partition_fits(COMMAND_SPEC, None, 1)

@@ -55,10 +55,13 @@ def test_an_empty_run_dir_open_to_others_is_refused(base: Path) -> None:
 
 
 @as_root
-@pytest.mark.parametrize(("made", "checked", "what"), [
-    ("run", "run", "the run dir"),  # an empty run dir of another user
-    ("torchpass-runs", "torchpass-runs/train.sh-20261202-101010", "the folder"),  # the default's parent
-])
+@pytest.mark.parametrize(
+    ("made", "checked", "what"),
+    [
+        ("run", "run", "the run dir"),  # an empty run dir of another user
+        ("torchpass-runs", "torchpass-runs/train.sh-20261202-101010", "the folder"),  # the default's parent
+    ],
+)
 def test_a_folder_of_another_user_is_refused(base: Path, made: str, checked: str, what: str) -> None:
     folder = base / made
     folder.mkdir(mode=0o755)

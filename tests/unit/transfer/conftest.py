@@ -16,8 +16,9 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -72,8 +73,11 @@ class Link:
         if self.kind == "mpi":
             env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPIR_"))}
             env["PYTHONPATH"] = str(REPO)
-            proc: Any = subprocess.Popen([str(mpiexec()), "-n", "1", sys.executable,
-                                          "-m", "tests.unit.transfer.peers", arg], cwd=REPO, env=env)
+            proc: Any = subprocess.Popen(
+                [str(mpiexec()), "-n", "1", sys.executable, "-m", "tests.unit.transfer.peers", arg],
+                cwd=REPO,
+                env=env,
+            )
         else:
             proc = self.ctx.Process(target=peers.donor_main, args=(arg,), daemon=True)
             proc.start()
@@ -92,13 +96,16 @@ class Link:
             def accept_socket() -> Any:
                 with listener:
                     return listener.accept(peers.TIMEOUT)
+
             return {"kind": "socket", "port": listener.port}, accept_socket
         if self.kind == "torch":
             from torchpass_slurm.transfer import TorchTransport
 
             prefix = f"epoch-{uuid.uuid4().hex[:8]}"
-            return ({"kind": "torch", "port": self.store.port, "prefix": prefix},
-                    lambda: TorchTransport(1, peers.gloo_pair(self.store, prefix, 0, peers.TIMEOUT)))
+            return (
+                {"kind": "torch", "port": self.store.port, "prefix": prefix},
+                lambda: TorchTransport(1, peers.gloo_pair(self.store, prefix, 0, peers.TIMEOUT)),
+            )
         from torchpass_slurm.transfer import MPITransport
 
         port_file = self.tmp / f"port-{uuid.uuid4().hex[:8]}"
@@ -106,8 +113,11 @@ class Link:
         def publish(name: str) -> None:
             (port_file.with_suffix(".tmp")).write_text(name)
             os.replace(port_file.with_suffix(".tmp"), port_file)
-        return ({"kind": "mpi", "port_file": str(port_file)},
-                lambda: MPITransport.accept(publish, peers.TIMEOUT))
+
+        return (
+            {"kind": "mpi", "port_file": str(port_file)},
+            lambda: MPITransport.accept(publish, peers.TIMEOUT),
+        )
 
     def cleanup(self) -> None:
         for donor in self.donors:
@@ -132,7 +142,9 @@ def store() -> Any:
 
     import torch.distributed as dist
 
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
 
 
 @pytest.fixture(params=KINDS)

@@ -57,8 +57,14 @@ def make_state(seed: int = 1) -> dict[str, Any]:
     random.seed(seed)
     np.random.seed(seed)
     model, opt = make_model_and_optimizer(seed)
-    return {"model": model.state_dict(), "optim": opt.state_dict(), "rng": RNGState(rank=0).state_dict(),
-            "step": 7, "loss": 0.123456789, "extra": (1, "two", None, float("inf"), [True, 2.5])}
+    return {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "rng": RNGState(rank=0).state_dict(),
+        "step": 7,
+        "loss": 0.123456789,
+        "extra": (1, "two", None, float("inf"), [True, 2.5]),
+    }
 
 
 def assert_bitwise_equal(a: Any, b: Any, path: str = "") -> None:
@@ -75,10 +81,12 @@ def assert_bitwise_equal(a: Any, b: Any, path: str = "") -> None:
             assert_bitwise_equal(a[key], b[key], f"{path}/{key}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{path}: lengths differ"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_bitwise_equal(x, y, f"{path}/{i}")
     elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"
+        )
         assert torch.equal(byte_view(a.contiguous()), byte_view(b.contiguous())), f"{path}: bytes differ"
     elif isinstance(a, float):
         assert a.hex() == b.hex(), f"{path}: {a!r} != {b!r}"
@@ -172,8 +180,14 @@ def donor_main(arg: str) -> None:
     else:
         if scenario == "die":
             transport = DyingTransport(transport, spec["k"])
-        stats = stream.send_state(transport, make_state(), timeout=TIMEOUT, chunk_bytes=CHUNK,
-                                  corrupt_chunks=spec.get("corrupt", ()), meta={"step": 7})
+        stats = stream.send_state(
+            transport,
+            make_state(),
+            timeout=TIMEOUT,
+            chunk_bytes=CHUNK,
+            corrupt_chunks=spec.get("corrupt", ()),
+            meta={"step": 7},
+        )
         code = 0 if stats.retries == len(spec.get("corrupt", ())) else 4
     transport.close()
     sys.stdout.flush()

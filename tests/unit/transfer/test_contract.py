@@ -89,19 +89,23 @@ def test_dead_donor_fails_fast_and_another_donor_resumes(link: Link) -> None:
 def test_silent_donor_times_out(link: Link) -> None:
     transport, _ = link.start("silent")
     began = time.monotonic()
-    with pytest.raises(TransferTimeout, match="did not complete within 0.5 s"):
+    with pytest.raises(TransferTimeout, match=r"did not complete within 0\.5 s"):
         recv_state(transport, timeout=timedelta(seconds=0.5))
     assert time.monotonic() - began < 5
     with pytest.raises(TransferError, match="broken transport"):
         recv_state(transport, timeout=timedelta(seconds=0.5))
 
 
-@pytest.mark.parametrize("patch, garbage, message", [
-    ({}, True, "not valid JSON"),
-    ({"digest_algo": "md5"}, False, "digest algorithm 'md5'"),
-    ({"format": "pickle"}, False, "format 'pickle'"),
-    ({"total_bytes": 1}, False, "total_bytes=1"),
-], ids=["garbage", "digest-algo", "format", "layout"])
+@pytest.mark.parametrize(
+    "patch, garbage, message",
+    [
+        ({}, True, "not valid JSON"),
+        ({"digest_algo": "md5"}, False, "digest algorithm 'md5'"),
+        ({"format": "pickle"}, False, "format 'pickle'"),
+        ({"total_bytes": 1}, False, "total_bytes=1"),
+    ],
+    ids=["garbage", "digest-algo", "format", "layout"],
+)
 def test_bad_manifest_is_rejected_clearly(link: Link, patch: dict, garbage: bool, message: str) -> None:
     transport, donor = link.start("raw", patch=patch, garbage=garbage)
     with pytest.raises(TransferError, match=message):

@@ -26,8 +26,13 @@ from torchpass_slurm.transfer.materialize import allocation_bytes, materialize  
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-json_scalars = (st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70) | st.text(max_size=8)
-                | st.floats(allow_nan=False, allow_infinity=False))
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.text(max_size=8)
+    | st.floats(allow_nan=False, allow_infinity=False)
+)
 json_values = st.recursive(
     json_scalars,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
@@ -36,14 +41,24 @@ json_values = st.recursive(
 #: JSON shaped like manifest nodes, so that mutations reach the deeper checks.
 node_like = st.recursive(
     json_scalars | st.fixed_dictionaries({"t": st.just("float"), "hex": st.text(max_size=12) | json_scalars}),
-    lambda inner: st.fixed_dictionaries({"t": st.sampled_from(["dict", "list", "tuple", "tensor", "x"]),
-                                         "items": st.lists(st.lists(inner, max_size=3) | inner, max_size=3)})
-    | st.fixed_dictionaries({"t": st.just("tensor"),
-                             "dtype": st.sampled_from([*DENSE_DTYPES, "qint8", "quint4x2", "float", ""]),
-                             "shape": st.lists(st.integers(-2, 2 ** 40) | json_scalars, max_size=4),
-                             "offset": st.integers(-1, 64) | json_scalars,
-                             "nbytes": st.integers(-1, 2 ** 45) | json_scalars})
-    | json_values,
+    lambda inner: (
+        st.fixed_dictionaries(
+            {
+                "t": st.sampled_from(["dict", "list", "tuple", "tensor", "x"]),
+                "items": st.lists(st.lists(inner, max_size=3) | inner, max_size=3),
+            }
+        )
+        | st.fixed_dictionaries(
+            {
+                "t": st.just("tensor"),
+                "dtype": st.sampled_from([*DENSE_DTYPES, "qint8", "quint4x2", "float", ""]),
+                "shape": st.lists(st.integers(-2, 2**40) | json_scalars, max_size=4),
+                "offset": st.integers(-1, 64) | json_scalars,
+                "nbytes": st.integers(-1, 2**45) | json_scalars,
+            }
+        )
+        | json_values
+    ),
     max_leaves=12,
 )
 
@@ -69,9 +84,13 @@ def test_any_json_document_decodes_or_raises_transfer_error(doc: Any) -> None:
 
 
 def valid_doc() -> dict[str, Any]:
-    state = {"model": {"w": torch.ones(2, 3), "b": torch.zeros(3, dtype=torch.int64)},
-             "optim": {"state": {0: {"step": torch.tensor(1.0)}},
-                       "param_groups": [{"lr": 0.5, "betas": (0.9, 1.0)}]}}
+    state = {
+        "model": {"w": torch.ones(2, 3), "b": torch.zeros(3, dtype=torch.int64)},
+        "optim": {
+            "state": {0: {"step": torch.tensor(1.0)}},
+            "param_groups": [{"lr": 0.5, "betas": (0.9, 1.0)}],
+        },
+    }
     manifest, _ = build_manifest(state, chunk_bytes=8, digest_algo="crc32")
     return json.loads(manifest.to_json())
 
@@ -106,17 +125,28 @@ def test_a_mutated_manifest_is_refused_or_bounded(data: st.DataObject) -> None:
 
 
 dense = st.sampled_from(sorted(DENSE_DTYPES))
-tensors = st.builds(lambda dtype, shape: torch.zeros(shape, dtype=getattr(torch, dtype)),
-                    dense, st.lists(st.integers(0, 3), max_size=3))
-leaves = (st.none() | st.booleans() | st.integers(-(2 ** 63), 2 ** 63) | st.text(max_size=5)
-          | st.floats() | tensors)
+tensors = st.builds(
+    lambda dtype, shape: torch.zeros(shape, dtype=getattr(torch, dtype)),
+    dense,
+    st.lists(st.integers(0, 3), max_size=3),
+)
+leaves = (
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63) | st.text(max_size=5) | st.floats() | tensors
+)
 keys = st.text(max_size=5) | st.integers(-3, 3)
-states = st.dictionaries(keys, st.recursive(
-    leaves,
-    lambda inner: st.lists(inner, max_size=3) | st.lists(inner, max_size=3).map(tuple)
-    | st.dictionaries(keys, inner, max_size=3),
-    max_leaves=10,
-), max_size=4)
+states = st.dictionaries(
+    keys,
+    st.recursive(
+        leaves,
+        lambda inner: (
+            st.lists(inner, max_size=3)
+            | st.lists(inner, max_size=3).map(tuple)
+            | st.dictionaries(keys, inner, max_size=3)
+        ),
+        max_leaves=10,
+    ),
+    max_size=4,
+)
 
 
 def same(a: Any, b: Any) -> None:

@@ -28,13 +28,15 @@ def fake_mpi(monkeypatch: pytest.MonkeyPatch) -> None:
 def raises(exc: BaseException) -> Callable[[], None]:
     def call() -> None:
         raise exc
+
     return call
 
 
 def test_an_mpi_error_is_a_transfer_error() -> None:
     with pytest.raises(TransferError, match=r"^mpi: accept failed: MPI_ERR_PORT: invalid port$") as info:
-        mpi_transport._blocking_within(raises(MPIException("MPI_ERR_PORT: invalid port\nmore")),
-                                       timedelta(seconds=5), "accept")
+        mpi_transport._blocking_within(
+            raises(MPIException("MPI_ERR_PORT: invalid port\nmore")), timedelta(seconds=5), "accept"
+        )
     assert isinstance(info.value.__cause__, MPIException)
 
 

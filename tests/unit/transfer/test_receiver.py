@@ -30,9 +30,11 @@ GiB = 1 << 30
 
 
 def small_state() -> dict[str, Any]:
-    return {"model": {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.zeros(4)},
-            "optim": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1}]},
-            "step": 7}
+    return {
+        "model": {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.zeros(4)},
+        "optim": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1}]},
+        "step": 7,
+    }
 
 
 def base_doc() -> dict[str, Any]:
@@ -71,8 +73,12 @@ def consistent(claim: int, *, dtype: str = "float32") -> bytes:
     """A manifest whose layout adds up: one tensor of ``claim`` bytes."""
     itemsize = {"float32": 4, "uint8": 1}[dtype]
     doc = base_doc()
-    doc["tree"] = {"t": "dict", "items": [["w", {"t": "tensor", "dtype": dtype, "shape": [claim // itemsize],
-                                                 "offset": 0, "nbytes": claim}]]}
+    doc["tree"] = {
+        "t": "dict",
+        "items": [
+            ["w", {"t": "tensor", "dtype": dtype, "shape": [claim // itemsize], "offset": 0, "nbytes": claim}]
+        ],
+    }
     doc.update(total_bytes=claim, chunk_bytes=4 << 20, n_chunks=-(-claim // (4 << 20)))
     return json.dumps(doc).encode()
 
@@ -89,6 +95,7 @@ def allocations(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         if threading.get_ident() == me:
             sizes.append(t.numel() * t.element_size())
         return t
+
     monkeypatch.setattr(torch, "empty", counting_empty)
     yield sizes
 
@@ -100,15 +107,18 @@ def allocations(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 def test_a_quantized_dtype_is_refused_not_allocated(dtype: str, allocations: list[int]) -> None:
     def edit(doc: dict[str, Any]) -> None:
         tensor_node(doc)["dtype"] = dtype
+
     reject(patched(edit), f"dtype '{dtype}' at /model/w; this receiver accepts float64")
     assert max(allocations) <= 1 << 20  # only the header and the manifest's own bytes
 
 
-@pytest.mark.parametrize("dtype", ["float", "half", "bits8", "uint4", "int4", "float4_e2m1fn_x2", "Tensor",
-                                   "__class__", ""])
+@pytest.mark.parametrize(
+    "dtype", ["float", "half", "bits8", "uint4", "int4", "float4_e2m1fn_x2", "Tensor", "__class__", ""]
+)
 def test_only_dense_dtypes_by_their_canonical_names(dtype: str) -> None:
     def edit(doc: dict[str, Any]) -> None:
         tensor_node(doc)["dtype"] = dtype
+
     reject(patched(edit), "this receiver accepts")
 
 
@@ -116,28 +126,34 @@ def test_only_dense_dtypes_by_their_canonical_names(dtype: str) -> None:
 def test_bad_float_hex(text: Any) -> None:
     def edit(doc: dict[str, Any]) -> None:
         doc["tree"]["items"].append(["loss", {"t": "float", "hex": text}])
+
     reject(patched(edit), "malformed float|not float.hex")
 
 
-@pytest.mark.parametrize("shape", [[3.0, 4], ["3", 4], [True, 4], [-3, -4], [[3], 4], 12, None,
-                                   [1] * 65, [2 ** 63, 1]])
+@pytest.mark.parametrize(
+    "shape", [[3.0, 4], ["3", 4], [True, 4], [-3, -4], [[3], 4], 12, None, [1] * 65, [2**63, 1]]
+)
 def test_non_integer_or_impossible_shapes(shape: Any) -> None:
     def edit(doc: dict[str, Any]) -> None:
         tensor_node(doc)["shape"] = shape
+
     reject(patched(edit), "malformed tensor at /model/w")
 
 
 def test_a_shape_whose_size_overflows_the_layout() -> None:
     def edit(doc: dict[str, Any]) -> None:
-        tensor_node(doc)["shape"] = [2 ** 62, 2 ** 62]
+        tensor_node(doc)["shape"] = [2**62, 2**62]
+
     reject(patched(edit), "layout is inconsistent at /model/w")
 
 
-@pytest.mark.parametrize("field, value", [("offset", 0.0), ("offset", -1), ("nbytes", "48"), ("nbytes", True),
-                                          ("offset", None)])
+@pytest.mark.parametrize(
+    "field, value", [("offset", 0.0), ("offset", -1), ("nbytes", "48"), ("nbytes", True), ("offset", None)]
+)
 def test_non_integer_offsets_and_sizes(field: str, value: Any) -> None:
     def edit(doc: dict[str, Any]) -> None:
         tensor_node(doc)[field] = value
+
     reject(patched(edit), "malformed tensor at /model/w")
 
 
@@ -145,10 +161,14 @@ def test_non_integer_offsets_and_sizes(field: str, value: Any) -> None:
 def test_deep_nesting_of_the_tree(depth: int) -> None:
     def edit(doc: dict[str, Any]) -> None:
         doc["tree"] = nested(depth)
+
     if depth > 200:  # json.dumps itself may not get that deep: build the text by hand
         body = '{"t":"list","items":[' * depth + "]}" * depth
-        raw = json.dumps(base_doc()).replace('"tree": {', '"tree": {"t":"dict","items":[["deep",' + body
-                                             + ']]}, "old": {', 1).encode()
+        raw = (
+            json.dumps(base_doc())
+            .replace('"tree": {', '"tree": {"t":"dict","items":[["deep",' + body + ']]}, "old": {', 1)
+            .encode()
+        )
         reject(raw, "nested too deeply|nests deeper")
     else:
         reject(patched(edit), f"nests deeper than {MAX_DEPTH} levels")
@@ -160,6 +180,7 @@ def test_deep_nesting_of_meta() -> None:
         for _ in range(MAX_DEPTH + 2):
             meta = [meta]
         doc["meta"] = meta
+
     reject(patched(edit), "meta nests deeper")
 
 
@@ -186,6 +207,7 @@ def test_max_alloc_bytes_overrides_the_bound() -> None:
 def test_a_list_as_the_root() -> None:
     def edit(doc: dict[str, Any]) -> None:
         doc["tree"] = {"t": "list", "items": []}
+
     reject(patched(edit), "root is a 'list' node, expected a dict node")
 
 
@@ -193,6 +215,7 @@ def test_a_list_as_the_root() -> None:
 def test_a_root_that_is_not_a_node(root: Any) -> None:
     def edit(doc: dict[str, Any]) -> None:
         doc["tree"] = root
+
     reject(patched(edit), "root is a JSON")
 
 
@@ -204,22 +227,27 @@ def test_a_json_list_as_the_document() -> None:
 def test_keys_that_are_not_str_or_int(key: Any) -> None:
     def edit(doc: dict[str, Any]) -> None:
         doc["tree"]["items"].append([key, 1])
+
     reject(patched(edit), "malformed dict item")
 
 
 def test_a_repeated_key() -> None:
     def edit(doc: dict[str, Any]) -> None:
         doc["tree"]["items"].append(["step", 8])
+
     reject(patched(edit), "repeats the key 'step'")
 
 
-@pytest.mark.parametrize("raw, match", [
-    (b'{"format": "torchpass-state/1", "meta": NaN}', "NaN is not JSON"),
-    (b'{"format": "torchpass-state/1", "meta": -Infinity}', "Infinity is not JSON"),
-    (b'{"format": "torchpass-state/1", "total_bytes": 1' + b"0" * 400 + b"}", "an integer of 401 digits"),
-    (b"\xff\xfe", "not valid JSON"),
-    (b"", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        (b'{"format": "torchpass-state/1", "meta": NaN}', "NaN is not JSON"),
+        (b'{"format": "torchpass-state/1", "meta": -Infinity}', "Infinity is not JSON"),
+        (b'{"format": "torchpass-state/1", "total_bytes": 1' + b"0" * 400 + b"}", "an integer of 401 digits"),
+        (b"\xff\xfe", "not valid JSON"),
+        (b"", "not valid JSON"),
+    ],
+)
 def test_not_strict_json(raw: bytes, match: str) -> None:
     reject(raw, match)
 
@@ -229,6 +257,7 @@ def test_not_strict_json(raw: bytes, match: str) -> None:
 def test_counts_must_be_ints(field: str, value: Any) -> None:
     def edit(doc: dict[str, Any]) -> None:
         doc[field] = value
+
     reject(patched(edit), f"{field} is .*, expected an int")
 
 
@@ -236,12 +265,14 @@ def test_counts_must_be_ints(field: str, value: Any) -> None:
 def test_digest_algo_must_be_a_known_name(algo: Any) -> None:
     def edit(doc: dict[str, Any]) -> None:
         doc["digest_algo"] = algo
+
     reject(patched(edit), "digest algorithm")
 
 
 def test_extra_fields_in_a_tensor_node() -> None:
     def edit(doc: dict[str, Any]) -> None:
         tensor_node(doc)["device"] = "cuda:0"
+
     reject(patched(edit), "malformed tensor")
 
 
@@ -257,6 +288,7 @@ def transfer(state: dict[str, Any], into: Any = None, **recv: Any) -> dict[str, 
             send_state(donor_end, state, timeout=TIMEOUT, chunk_bytes=16)
         except BaseException as exc:  # reported to the test below
             errors.append(exc)
+
     thread = threading.Thread(target=donor)
     thread.start()
     try:
@@ -275,8 +307,11 @@ def test_a_spare_with_an_empty_optimizer_receives_the_moments() -> None:
     spare_model = torch.nn.Linear(32, 32)
     spare_opt = torch.optim.AdamW(spare_model.parameters(), amsgrad=True)
     into = {"model": spare_model.state_dict(), "optim": spare_opt.state_dict()}
-    got = transfer({"model": model.state_dict(), "optim": opt.state_dict()}, into,
-                   max_alloc_bytes=materialize_mod.ALLOC_FACTOR * materialize_mod.state_nbytes(into) + 1024)
+    got = transfer(
+        {"model": model.state_dict(), "optim": opt.state_dict()},
+        into,
+        max_alloc_bytes=materialize_mod.ALLOC_FACTOR * materialize_mod.state_nbytes(into) + 1024,
+    )
     expected = opt.state_dict()["state"][0]["max_exp_avg_sq"]
     assert torch.equal(got["optim"]["state"][0]["max_exp_avg_sq"], expected)
 
