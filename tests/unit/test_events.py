@@ -185,3 +185,23 @@ def test_an_event_log_that_is_not_a_file_is_refused(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / ev.EVENTS_FILE)
     with pytest.raises(EventLogError, match="is not a regular file"):
         ev.EventLog(tmp_path / ev.EVENTS_FILE, job="1")
+
+
+# --- kinds ------------------------------------------------------------------------------------
+
+
+def test_every_report_the_supervisor_forwards_is_an_event_kind() -> None:
+    from torchpass_slurm.control.kinds import ReportKind
+    from torchpass_slurm.supervisor.loop import RANK_EVENTS
+
+    forwarded = {*RANK_EVENTS, ReportKind.HEALTH_WARNING}
+    assert {str(k) for k in forwarded} <= {k.value for k in ev.EventKind}
+
+
+def test_the_module_names_are_the_enum_and_a_plain_string_still_appends(path: Path) -> None:
+    assert ev.MIGRATION_DONE is ev.EventKind.MIGRATION_DONE and ev.STARTED == "started"
+    with EventLog(path, job="1", clock=clock) as log:
+        typed = log.append(ev.EventKind.AGREEMENT, committed_step=3)
+        plain = log.append("custom_kind", x=1)
+    assert type(typed.kind) is str and typed.kind == "agreement" and plain.kind == "custom_kind"
+    assert [e.kind for e in read_events(path)] == ["agreement", "custom_kind"]

@@ -46,8 +46,10 @@ from typing import Any
 
 from torchpass_slurm import jsonsafe
 from torchpass_slurm.errors import EventLogError
+from torchpass_slurm.strenum import StrEnum
 
 __all__ = [
+    "EventKind",
     "SUBMITTED",
     "STARTED",
     "WORKER_UP",
@@ -58,9 +60,24 @@ __all__ = [
     "DRAIN_SEEN",
     "SPARE_PROMOTED",
     "SPARE_LOST",
+    "SPARE_REQUESTED",
+    "SPARE_ADDED",
+    "SPARE_REFUSED",
+    "HOLDING",
     "RESTARTED",
     "FINISHED",
     "FAILED",
+    "MIGRATION_STARTED",
+    "GROUP_REBUILT",
+    "AGREEMENT",
+    "TRANSFER_DONE",
+    "FIRST_STEP",
+    "MIGRATION_DONE",
+    "HEALTH_WARNING",
+    "FENCED",
+    "DRAIN_DEFERRED",
+    "NODE_RELEASED",
+    "MESH_LAYOUT",
     "LOG_REPAIRED",
     "EVENTS_FILE",
     "Event",
@@ -74,41 +91,78 @@ logger = logging.getLogger(__name__)
 #: File name of the event log inside the run directory.
 EVENTS_FILE = "events.jsonl"
 
-# --- kinds (any lower_snake_case name is accepted; these are the known ones) ---
-SUBMITTED = "submitted"  # tp-submit handed the job to sbatch
-STARTED = "started"  # the supervisor started in the batch step
-WORKER_UP = "worker_up"  # a rank said hello
-HEARTBEAT_LOST = "heartbeat_lost"  # a rank missed its heartbeats
-RANK_HUNG = "rank_hung"  # a rank still heartbeats but makes no step progress while its peers wait
-STEP_EXITED = "step_exited"  # an srun step (one node) ended
-NODE_DOWN = "node_down"  # Slurm reports a node of the job down / gone
-DRAIN_SEEN = "drain_seen"  # an admin drain on a node of the job
-SPARE_PROMOTED = "spare_promoted"  # a spare took over a failed node's slot
-SPARE_LOST = "spare_lost"  # a spare died on standby
-SPARE_REQUESTED = "spare_requested"  # the pool is short: Slurm is asked for a node (held=, target=)
-SPARE_ADDED = "spare_added"  # a node joined as a spare (node=, seconds=, returned=: it lost only its rank)
-SPARE_REFUSED = "spare_refused"  # Slurm gave no node for the pool (error=, seconds=)
-HOLDING = "holding"  # no spare: the committed step is held for one (failed=, wait_s=, detail=)
-RESTARTED = "restarted"  # fell back to checkpoint-restart
-FINISHED = "finished"  # the training ended well (exit_code=, restarts=, supervisor_cpu_s=, srun_cpu_s=)
-FAILED = "failed"  # the job gave up
-# live migration (docs/protocol.md, "Recovery"); the fields each carries are listed there
-MIGRATION_STARTED = "migration_started"  # supervisor: failed nodes -> spares, new epoch (chained_from=)
-GROUP_REBUILT = "group_rebuilt"  # a rank: the new epoch's process group is up (seconds=)
-AGREEMENT = "agreement"  # rank 0: the committed step every rank now holds (committed_step=)
-TRANSFER_DONE = "transfer_done"  # a receiver: state received (donor=, bytes=, seconds=, retries=)
-FIRST_STEP = "first_step"  # rank 0: the first step of the new epoch committed (step=)
-MIGRATION_DONE = (  # supervisor: resolution=live|checkpoint|regroup|deferred, lost_steps=, planned=,
-    "migration_done"  # at_end= (closed when the training completed), detail=
+# --- kinds ------------------------------------------------------------------------
+
+
+class EventKind(StrEnum):
+    """The kind of an event-log line. The supervisor writes these; a line of any other
+    lower_snake_case kind (a newer version's) is still read. The kinds a rank reports and the
+    supervisor forwards as they are share their :class:`~torchpass_slurm.control.kinds.ReportKind`
+    value (a test holds that every forwarded report kind is one of these)."""
+
+    SUBMITTED = "submitted"  # tp-submit handed the job to sbatch
+    STARTED = "started"  # the supervisor started in the batch step
+    WORKER_UP = "worker_up"  # a rank said hello
+    HEARTBEAT_LOST = "heartbeat_lost"  # a rank missed its heartbeats
+    RANK_HUNG = "rank_hung"  # a rank still heartbeats but makes no step progress while its peers wait
+    STEP_EXITED = "step_exited"  # an srun step (one node) ended
+    NODE_DOWN = "node_down"  # Slurm reports a node of the job down / gone
+    DRAIN_SEEN = "drain_seen"  # an admin drain on a node of the job
+    SPARE_PROMOTED = "spare_promoted"  # a spare took over a failed node's slot
+    SPARE_LOST = "spare_lost"  # a spare died on standby
+    SPARE_REQUESTED = "spare_requested"  # the pool is short: Slurm is asked for a node (held=, target=)
+    SPARE_ADDED = (
+        "spare_added"  # a node joined as a spare (node=, seconds=, returned=: it lost only its rank)
+    )
+    SPARE_REFUSED = "spare_refused"  # Slurm gave no node for the pool (error=, seconds=)
+    HOLDING = "holding"  # no spare: the committed step is held for one (failed=, wait_s=, detail=)
+    RESTARTED = "restarted"  # fell back to checkpoint-restart
+    FINISHED = "finished"  # the training ended well (exit_code=, restarts=, supervisor_cpu_s=, srun_cpu_s=)
+    FAILED = "failed"  # the job gave up
+    # live migration (docs/protocol.md, "Recovery"); the fields each carries are listed there
+    MIGRATION_STARTED = "migration_started"  # supervisor: failed nodes -> spares, new epoch (chained_from=)
+    MIGRATION_DONE = "migration_done"  # supervisor: resolution=live|checkpoint|regroup|deferred,
+    # lost_steps=, planned=, at_end= (closed when the training completed), detail=
+    FENCED = (
+        "fenced"  # a task of a lost step spoke again: ignored, told to stop (node=, sender=, message_kind=)
+    )
+    DRAIN_DEFERRED = "drain_deferred"  # a drained node keeps its ranks until the job ends (reason=, detail=)
+    NODE_RELEASED = "node_released"  # a drained or lost node left the job (released=, reason=drained|lost)
+    MESH_LAYOUT = "mesh_layout"  # the device mesh the first sharded rank reported (dims=, shape=, replicate=)
+    LOG_REPAIRED = "log_repaired"  # a torn line before this one was left by a crash
+    # reports of a rank, forwarded by the supervisor (their fields: control/reports.py)
+    GROUP_REBUILT = "group_rebuilt"  # a rank: the new epoch's process group is up (seconds=)
+    AGREEMENT = "agreement"  # rank 0: the committed step every rank now holds (committed_step=)
+    TRANSFER_DONE = "transfer_done"  # a receiver: state received (donor=, bytes=, seconds=, retries=)
+    FIRST_STEP = "first_step"  # rank 0: the first step of the new epoch committed (step=)
+    RELEASED = "released"  # a rank of a drained node handed over and left the job (step=)
+    RANK_STATE_MISSING = "rank_state_missing"  # a rank that took over has no copy of its rank state
+    HEALTH_WARNING = "health_warning"  # a node's in-job agent saw WARNING/CRITICAL (status=, summary=)
+
+
+# The kinds by their old module-level names (callers may pass these, or any EventKind).
+SUBMITTED, STARTED, WORKER_UP = EventKind.SUBMITTED, EventKind.STARTED, EventKind.WORKER_UP
+HEARTBEAT_LOST, RANK_HUNG, STEP_EXITED = EventKind.HEARTBEAT_LOST, EventKind.RANK_HUNG, EventKind.STEP_EXITED
+NODE_DOWN, DRAIN_SEEN, SPARE_PROMOTED = EventKind.NODE_DOWN, EventKind.DRAIN_SEEN, EventKind.SPARE_PROMOTED
+SPARE_LOST, SPARE_REQUESTED, SPARE_ADDED = (
+    EventKind.SPARE_LOST,
+    EventKind.SPARE_REQUESTED,
+    EventKind.SPARE_ADDED,
 )
-HEALTH_WARNING = "health_warning"  # a node's in-job agent saw WARNING/CRITICAL (status=, summary=)
-FENCED = "fenced"  # a task of a lost step spoke again: ignored, told to stop (node=, sender=, message_kind=)
-DRAIN_DEFERRED = "drain_deferred"  # a drained node keeps its ranks until the job ends (reason=, detail=)
-NODE_RELEASED = (
-    "node_released"  # a drained or lost node left the job (released=true|false, reason=drained|lost)
+SPARE_REFUSED, HOLDING, RESTARTED = EventKind.SPARE_REFUSED, EventKind.HOLDING, EventKind.RESTARTED
+FINISHED, FAILED, MIGRATION_STARTED = EventKind.FINISHED, EventKind.FAILED, EventKind.MIGRATION_STARTED
+GROUP_REBUILT, AGREEMENT, TRANSFER_DONE = (
+    EventKind.GROUP_REBUILT,
+    EventKind.AGREEMENT,
+    EventKind.TRANSFER_DONE,
 )
-MESH_LAYOUT = "mesh_layout"  # the device mesh the first sharded rank reported (dims=, shape=, replicate=)
-LOG_REPAIRED = "log_repaired"  # a torn line before this one was left by a crash
+FIRST_STEP, MIGRATION_DONE, HEALTH_WARNING = (
+    EventKind.FIRST_STEP,
+    EventKind.MIGRATION_DONE,
+    EventKind.HEALTH_WARNING,
+)
+FENCED, DRAIN_DEFERRED, NODE_RELEASED = EventKind.FENCED, EventKind.DRAIN_DEFERRED, EventKind.NODE_RELEASED
+MESH_LAYOUT, LOG_REPAIRED = EventKind.MESH_LAYOUT, EventKind.LOG_REPAIRED
 
 #: Deepest nesting of lists and objects in one line (the line's own object is level 1).
 MAX_FIELD_NESTING = 16
@@ -174,12 +228,14 @@ class EventLog:
             )
         self._repair_torn_tail()
 
-    def append(self, kind: str, *, epoch: int | None = None, **fields: Any) -> Event:
+    def append(self, kind: EventKind | str, *, epoch: int | None = None, **fields: Any) -> Event:
         """Write one event durably and return it.
 
+        ``kind`` is an :class:`EventKind` (a plain lower_snake_case string is still accepted).
         ``epoch`` overrides :attr:`epoch` for this event only. Field names
         ``ts``, ``kind`` and ``job`` are reserved.
         """
+        kind = str(kind)
         if not _KIND_RE.match(kind):
             raise EventLogError(f"event kind {kind!r} is not a lower_snake_case name")
         clash = RESERVED_KEYS & set(fields)

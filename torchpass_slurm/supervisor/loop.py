@@ -362,7 +362,7 @@ class Supervisor:
             if data.epoch >= self.job.membership.epoch:
                 self.detectors.collective_failed(node, data.rank, data.error or "")
         elif report.kind in RANK_EVENTS:
-            self.events.append(report.kind, node=node, **report.fields)
+            self.events.append(ev.EventKind(report.kind), node=node, **report.fields)
             if isinstance(data, Agreement):
                 self.completion.agreed(data.epoch, data.committed_step)
             elif isinstance(data, FirstStep):
