@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torchpass_slurm.cli.store_host import StoreHost
+from torchpass_slurm.supervisor.store_host import StoreHost
 from torchpass_slurm.control.secret import create_secret
 
 TIMEOUT = datetime.timedelta(seconds=60)

@@ -387,7 +387,7 @@ SLURM_COMMANDS = frozenset(
 )
 #: The modules outside ``slurm/`` that start a process, and why.
 PROCESS_STARTERS = {
-    f"{PACKAGE}.cli.store_host": "the job's rendezvous store, a Python child of tp run",
+    f"{PACKAGE}.supervisor.store_host": "the job's rendezvous store, a Python child of tp run",
 }
 _STARTS_A_PROCESS = {
     "subprocess": {"run", "Popen", "call", "check_call", "check_output"},

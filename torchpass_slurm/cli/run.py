@@ -71,7 +71,7 @@ def run(
     and take over a lost node's ranks. Submit with `tp-submit`, which asks
     Slurm for the extra nodes and sets everything up.
     """
-    from torchpass_slurm.cli.run_setup import build_supervisor
+    from torchpass_slurm.supervisor.assemble import build_supervisor
 
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id:

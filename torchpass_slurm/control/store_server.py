@@ -24,7 +24,7 @@ it for minutes (issue 22); this store replaces it under ``tp run``:
 
 Single-threaded (one loop, plus the gate's thread); the rank side is
 :class:`~torchpass_slurm.rank.store.JobStore`. Hosted by ``tp run`` in a child
-process (:mod:`~torchpass_slurm.cli.store_host`), so neither a flood nor the
+process (:mod:`~torchpass_slurm.supervisor.store_host`), so neither a flood nor the
 store's death takes the supervisor with it.
 """
 

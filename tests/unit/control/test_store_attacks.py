@@ -1,7 +1,7 @@
 """The job's rendezvous store against outsiders on loopback (issue 22).
 
 The store is the real one, in its own process as ``tp run`` hosts it
-(:class:`~torchpass_slurm.cli.store_host.StoreHost`); the ranks are real gloo
+(:class:`~torchpass_slurm.supervisor.store_host.StoreHost`); the ranks are real gloo
 ranks (spawned processes) that build their group through
 :class:`~torchpass_slurm.rank.store.JobStore` and all-reduce. The attackers:
 raw TCP floods (1,100 and 10,000 connections), torch's own TCPStore client
@@ -29,7 +29,7 @@ import zmq
 
 torch = pytest.importorskip("torch")
 
-from torchpass_slurm.cli.store_host import StoreHost  # noqa: E402
+from torchpass_slurm.supervisor.store_host import StoreHost  # noqa: E402
 from torchpass_slurm.control.secret import create_secret, load_secret  # noqa: E402
 from torchpass_slurm.control.security import derive_keys, make_curve_client  # noqa: E402
 from torchpass_slurm.rank.rendezvous import make_tcp_store  # noqa: E402

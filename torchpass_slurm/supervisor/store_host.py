@@ -15,7 +15,7 @@ The child prints its port on its first line of stdout and then serves until
 its stdin closes, so it never outlives the supervisor (even one killed with
 SIGKILL: the pipe closes with it)::
 
-    python -m torchpass_slurm.cli.store_host --bind ADDRESS --secret-file FILE --max-wait-s 300
+    python -m torchpass_slurm.supervisor.store_host --bind ADDRESS --secret-file FILE --max-wait-s 300
 """
 
 from __future__ import annotations

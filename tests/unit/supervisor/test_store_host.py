@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.processes import gone_within
-from torchpass_slurm.cli.store_host import StoreHost
+from torchpass_slurm.supervisor.store_host import StoreHost
 from torchpass_slurm.control.secret import create_secret, load_secret
 
 TIMEOUT = datetime.timedelta(seconds=20)
@@ -78,7 +78,7 @@ def test_the_store_never_outlives_a_killed_supervisor(secret_file: Path) -> None
             "-c",
             textwrap.dedent(f"""
             import datetime, pathlib, time
-            from torchpass_slurm.cli.store_host import StoreHost
+            from torchpass_slurm.supervisor.store_host import StoreHost
             host = StoreHost.start("127.0.0.1", pathlib.Path({str(secret_file)!r}),
                                    datetime.timedelta(seconds=20))
             print(host.proc.pid, flush=True)

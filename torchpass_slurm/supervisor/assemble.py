@@ -1,6 +1,6 @@
 """Assemble a :class:`~torchpass_slurm.supervisor.loop.Supervisor` for ``tp run``.
 
-Kept apart from :mod:`.run` so that ``tp run --help`` imports nothing heavy.
+Kept apart from :mod:`torchpass_slurm.cli.run`, so that ``tp run --help`` imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from datetime import timedelta
 from pathlib import Path
 
 from torchpass_slurm import config as cfg
-from torchpass_slurm.cli.store_host import StoreHost
 from torchpass_slurm.control.secret import create_secret, load_secret
 from torchpass_slurm.control.server import ControlServer, job_address
 from torchpass_slurm.errors import ConfigError
@@ -21,6 +20,7 @@ from torchpass_slurm.slurm import select_backend
 from torchpass_slurm.supervisor.loop import Supervisor
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.probe import NodeProbe
+from torchpass_slurm.supervisor.store_host import StoreHost
 from torchpass_slurm.supervisor.workers import StepLauncher
 
 logger = logging.getLogger(__name__)
