@@ -38,6 +38,11 @@ __all__ = [
     "RecoveryPolicy",
     "NODE_LOSS",
     "NODE_UNTRUSTED",
+    "DRAIN_REASON_PREFIX",
+    "MAX_DRAIN_REASON",
+    "drain_reason_text",
+    "pre_emptive_drain_reason",
+    "is_pre_emptive_drain",
 ]
 
 
@@ -160,3 +165,30 @@ class RecoveryPolicy(StrEnum):
 
     LIVE = "live"
     RESTART = "restart"
+
+
+# --- drain reasons: written by health/drain.py and the planner, read by the report -----------
+
+#: Every reason torchpass drains a node with starts with this; nothing else is ever undrained
+#: (``health/drain.py``).
+DRAIN_REASON_PREFIX = "torchpass:"
+#: Slurm keeps long reasons, but sinfo shows few characters: a reason is cut to this many.
+MAX_DRAIN_REASON = 120
+
+
+def drain_reason_text(what: str) -> str:
+    """The one builder of a torchpass drain reason: ``torchpass: WHAT`` on one line, cut to
+    :data:`MAX_DRAIN_REASON` characters (ending in ``...`` when cut)."""
+    text = " ".join(f"{DRAIN_REASON_PREFIX} {what}".split())
+    return text if len(text) <= MAX_DRAIN_REASON else text[: MAX_DRAIN_REASON - 3] + "..."
+
+
+def pre_emptive_drain_reason(detail: str) -> str:
+    """The reason the job drains a node with on a health warning (``torchpass: pre-emptive: ...``)."""
+    return drain_reason_text(f"{FaultClass.PRE_EMPTIVE.value}: {detail}")
+
+
+def is_pre_emptive_drain(reason: str | None) -> bool:
+    """Whether ``reason`` is one :func:`pre_emptive_drain_reason` wrote."""
+    lead = f"{DRAIN_REASON_PREFIX} {FaultClass.PRE_EMPTIVE.value}:"
+    return reason is not None and " ".join(reason.split()).startswith(lead)

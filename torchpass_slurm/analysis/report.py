@@ -14,8 +14,8 @@ The rules:
 
   - *unplanned*: a detection (below);
   - *pre-emptive*: a drain the job made itself on a health warning: its
-    reason starts with ``torchpass: pre-emptive``, or the node had a
-    ``health_warning`` before its ``drain_seen``;
+    reason is one ``faults.pre_emptive_drain_reason`` wrote (``torchpass: pre-emptive: ...``),
+    or the node had a ``health_warning`` before its ``drain_seen``;
   - *planned*: any other drain of an active node (an admin's).
 
   A drain counts once the job acts on it: ``migration_started`` with
@@ -83,7 +83,7 @@ from typing import Any
 
 from torchpass_slurm.analysis.phases import PHASES, Phases, last_heartbeat, round_ms, split_phases
 from torchpass_slurm.config import NodeRole
-from torchpass_slurm.faults import FaultClass, Resolution
+from torchpass_slurm.faults import FaultClass, Resolution, is_pre_emptive_drain
 from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.rundir.events import Event
 
@@ -105,8 +105,6 @@ DETECTION_KINDS = frozenset({ev.HEARTBEAT_LOST, ev.RANK_HUNG, ev.NODE_DOWN, ev.S
 CLOSING_KINDS = frozenset({ev.MIGRATION_DONE, ev.RESTARTED, ev.FAILED, ev.FINISHED})
 #: Fault classes, in the order they are reported.
 CLASSES = tuple(c.value for c in FaultClass)
-#: How the job's own drains begin their reason (the planner's pre-emptive drain).
-PRE_EMPTIVE_REASON = "torchpass: pre-emptive"
 #: Resolutions, in the order they are reported; None is "unresolved".
 RESOLUTIONS: tuple[str | None, ...] = (
     Resolution.LIVE.value,
@@ -305,7 +303,7 @@ class _Reader:
         unclaimed = self.warnings.pop(node, None)  # after the drain_seen, or before a drain not in the log
         seen, warning = drain if drain is not None else (None, unclaimed)
         reason = str(acted.fields.get("reason") or (seen.fields.get("reason") if seen else None) or "")
-        pre_emptive = reason.startswith(PRE_EMPTIVE_REASON) or warning is not None
+        pre_emptive = is_pre_emptive_drain(reason) or warning is not None
         return _Cause(
             "pre-emptive" if pre_emptive else "planned", node, acted, mark=warning or seen, reason=reason
         )

@@ -18,6 +18,13 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from torchpass_slurm.faults import (
+    DRAIN_REASON_PREFIX,
+    MAX_DRAIN_REASON,
+    drain_reason_text,
+    is_pre_emptive_drain,
+    pre_emptive_drain_reason,
+)
 from torchpass_slurm.health.checks import CheckResult, Status
 from torchpass_slurm.health.config import HealthConfig
 from torchpass_slurm.health.run import HealthReport
@@ -25,12 +32,25 @@ from torchpass_slurm.slurm import Node, SlurmBackend
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["REASON_PREFIX", "UndrainStep", "drain_reason", "is_ours", "plan_undrain", "undrain"]
+__all__ = [
+    "REASON_PREFIX",
+    "MAX_REASON",
+    "UndrainStep",
+    "drain_reason",
+    "drain_reason_text",
+    "pre_emptive_drain_reason",
+    "is_pre_emptive_drain",
+    "is_ours",
+    "plan_undrain",
+    "undrain",
+]
 
-#: Every reason torchpass drains with starts with this; nothing else is ever undrained.
-REASON_PREFIX = "torchpass:"
+#: Every reason torchpass drains with starts with this; nothing else is ever undrained. The
+#: reasons are built by :func:`~torchpass_slurm.faults.drain_reason_text` (in the vocabulary
+#: floor, since the supervisor's planner and the report need it too, and may not import health/).
+REASON_PREFIX = DRAIN_REASON_PREFIX
 #: Slurm keeps long reasons, but sinfo shows few characters: keep them short.
-MAX_REASON = 120
+MAX_REASON = MAX_DRAIN_REASON
 
 
 def is_ours(reason: str | None) -> bool:
@@ -40,11 +60,8 @@ def is_ours(reason: str | None) -> bool:
 
 def _describe(results: Sequence[CheckResult], lead: str = "") -> str:
     first = results[0]
-    text = f"{REASON_PREFIX} {lead}{first.check}: {first.message}"
-    if len(results) > 1:
-        text += f" (+{len(results) - 1} more)"
-    text = " ".join(text.split())  # one line
-    return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
+    more = f" (+{len(results) - 1} more)" if len(results) > 1 else ""
+    return drain_reason_text(f"{lead}{first.check}: {first.message}{more}")
 
 
 def drain_reason(report: HealthReport, config: HealthConfig) -> str | None:

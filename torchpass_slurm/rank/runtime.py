@@ -282,11 +282,9 @@ class Runtime:
         self.init_process_group(backend, timeout, rendezvous_timeout)
 
     def report(self, event: ReportKind, **fields: Any) -> None:
-        """Tell the supervisor a fact for the event log (sent at once by the heartbeat thread).
-
-        The report is built and checked here by its kind's typed fields
-        (``control/reports.py``), as the supervisor will read it: ControlPlaneError if
-        ``fields`` do not fit (a bug of the caller, not a fault of the job)."""
+        """Tell the supervisor a fact for the event log (sent at once by the heartbeat thread),
+        checked here as the supervisor reads it (``control/reports.py``): ControlPlaneError
+        if ``fields`` do not fit its kind (a bug of the caller, not a fault of the job)."""
         body = Report.of(event, rank=self.rank, **fields).to_body()
         if self._heartbeat is not None:
             self.outbox.put((Kind.REPORT, body))
@@ -397,13 +395,7 @@ class Runtime:
         msg = wait_for_promotion(self._client, interval, standby, self._beat_body, self.log, timeout, orphan)
         if msg.kind == Kind.STOP:
             self._exit_on_stop(msg)
-        try:  # decode checked the body with Promote.from_body: this is the one parse of it
-            self.promotion = Promote.from_body(msg.body)
-        except ControlPlaneError as exc:
-            raise ControlPlaneError(
-                f"malformed promote message: {exc.message}",
-                hint="the supervisor and this worker run different torchpass-slurm versions?",
-            ) from None
+        self.promotion = Promote.from_body(msg.body)  # the one parse of it (decode checked it so)
         self.info = promoted_rank_info(self.promotion, self._environ)
         self.is_spare_promoted = True
         self.log.info("promoted: %s", msg.body)

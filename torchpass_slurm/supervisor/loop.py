@@ -299,17 +299,19 @@ class Supervisor:
         kind, body = message.kind, message.body
         try:  # decode checked the body with the same class: this is its one typed reading
             if kind == Kind.HELLO:
-                self._on_hello(node, step, message.sender, Hello.from_body(body), now)
+                if step.hello(message.sender, Hello.from_body(body), now):  # the step is up
+                    ranks = list(self.job.membership.ranks_of(node))
+                    self.events.append(ev.WORKER_UP, node=node, role=step.role, ranks=ranks)
             elif kind == Kind.HEARTBEAT:
-                self._on_heartbeat(step, message.sender, Heartbeat.from_body(body), now)
+                step.heartbeat(message.sender, Heartbeat.from_body(body), now)
             elif kind == Kind.RANK_STATE:
                 copy = RankStateCopy.from_body(body)
                 self.job.rank_states.accept(self.job.membership, node, message.sender, copy)
             elif kind == Kind.BYE:
                 step.said_bye.add(message.sender)  # it stops beating; its step's exit says the rest
             elif kind == Kind.STANDBY:
-                Standby.from_body(body)
-                self._on_standby(node, step, message.sender, now)
+                if step.standby(message.sender, Standby.from_body(body), now):  # the spare is up
+                    self.events.append(ev.WORKER_UP, node=node, role=NodeRole.SPARE)
             elif kind == Kind.REPORT:
                 report = Report.from_body(body)
                 if report.kind == ReportKind.COLLECTIVE_FAILED:  # alive, and tearing its group down
@@ -320,36 +322,6 @@ class Supervisor:
         except ControlPlaneError as err:  # a malformed body is logged and dropped, never fatal
             what = "report" if kind == Kind.REPORT else f"{kind} message"
             logger.warning("ignoring a malformed %s from %s: %s", what, message.sender, err)
-
-    def _on_hello(self, node: str, step: WorkerStep, sender: str, hello: Hello, now: float) -> None:
-        if hello.epoch is not None and hello.epoch != step.epoch:
-            return  # a straggler of an older launch on this node
-        step.seen(sender, now)
-        step.hello_senders.add(sender)
-        if len(step.hello_senders) >= step.ntasks and step.state == WorkerState.STARTING:
-            step.state = WorkerState.RUNNING
-            step.all_up(now)
-            self.events.append(
-                ev.WORKER_UP, node=node, role=step.role, ranks=list(self.job.membership.ranks_of(node))
-            )
-
-    @staticmethod
-    def _on_heartbeat(step: WorkerStep, sender: str, beat: Heartbeat, now: float) -> None:
-        if sender not in step.hello_senders and sender not in step.standby_senders:
-            # a straggler of an older launch on this node, stopping: its steps are not this
-            # launch's (after a checkpoint restart they sat above the steps recomputed, and
-            # the job looked stuck: issue 24); this launch's tasks greet first
-            return
-        step.seen(sender, now, beat.step, beat.state)
-        if beat.tasks is not None:  # a per-node heartbeat: its node's other tasks, relayed
-            step.relayed(sender, beat.tasks, now)
-
-    def _on_standby(self, node: str, step: WorkerStep, sender: str, now: float) -> None:
-        step.standby_senders.add(sender)
-        step.seen(sender, now)
-        if step.all_standby() and step.state == WorkerState.STARTING:
-            step.state = WorkerState.STANDBY
-            self.events.append(ev.WORKER_UP, node=node, role=NodeRole.SPARE)
 
     def _on_report(self, node: str, step: WorkerStep, report: Report) -> None:
         data = report.data

@@ -71,6 +71,7 @@ from torchpass_slurm.faults import (
     FaultClass,
     Recovery,
     RecoveryPolicy,
+    pre_emptive_drain_reason,
 )
 from torchpass_slurm.mesh import MeshLayout
 from torchpass_slurm.strenum import StrEnum
@@ -384,7 +385,7 @@ def _plan_warning(fault: Fault, membership: Membership) -> Plan:
     """A health warning: drain the node while it still works; the drain then moves it."""
     if fault.node not in membership.active:
         return Plan(Action.NOTHING, membership, faults=(fault,))
-    reason = f"torchpass: pre-emptive: {fault.detail}"[:200]
+    reason = pre_emptive_drain_reason(fault.detail)
     return Plan(Action.DRAIN, membership, faults=(fault,), detail=reason)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from torchpass_slurm import config as cfg
-from torchpass_slurm.control.rank_bodies import TaskBeat
+from torchpass_slurm.control.rank_bodies import Heartbeat, Hello, Standby, TaskBeat
 from torchpass_slurm.phase import Phase
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.slurm.steps import EXPANDED_NODE_UNSET
@@ -104,6 +104,39 @@ class WorkerStep:
             self.phases[sender] = (step, phase)
         if step is not None and (self.last_step is None or step > self.last_step):
             self.last_step = step
+
+    def hello(self, sender: str, hello: Hello, now: float) -> bool:
+        """``sender`` said hello; True when that made the whole step up (it is now RUNNING). A
+        hello of another epoch is a straggler of an older launch on this node: ignored."""
+        if hello.epoch is not None and hello.epoch != self.epoch:
+            return False
+        self.seen(sender, now)
+        self.hello_senders.add(sender)
+        if len(self.hello_senders) < self.ntasks or self.state != WorkerState.STARTING:
+            return False
+        self.state = WorkerState.RUNNING
+        self.all_up(now)
+        return True
+
+    def heartbeat(self, sender: str, beat: Heartbeat, now: float) -> None:
+        """A heartbeat of ``sender`` (with per-node heartbeats, its node's other tasks too)."""
+        if sender not in self.hello_senders and sender not in self.standby_senders:
+            # a straggler of an older launch on this node, stopping: its steps are not this
+            # launch's (after a checkpoint restart they sat above the steps recomputed, and
+            # the job looked stuck: issue 24); this launch's tasks greet first
+            return
+        self.seen(sender, now, beat.step, beat.state)
+        if beat.tasks is not None:  # a per-node heartbeat: its node's other tasks, relayed
+            self.relayed(sender, beat.tasks, now)
+
+    def standby(self, sender: str, standby: Standby, now: float) -> bool:
+        """``sender`` (a spare's task) waits; True when that made the whole step STANDBY."""
+        self.standby_senders.add(sender)
+        self.seen(sender, now)
+        if not self.all_standby() or self.state != WorkerState.STARTING:
+            return False
+        self.state = WorkerState.STANDBY
+        return True
 
     def all_up(self, now: float) -> None:
         """Every task said hello: silence counts from now. With per-node heartbeats a task that
