@@ -20,10 +20,18 @@ to the supervisor and waits for ``reconfigure``: the new epoch, in which a
 spare holds the lost logical rank. Then, in the same process::
 
     rejoin      destroy the broken group, build the epoch's group (same world, same ranks)
+    renew       the training state onto the new group (DDP: nothing; sharded: the mesh and
+                the model built again, this rank's own shards kept)
     agree       all-gather every rank's committed step; S = the highest
     transfer    each rank behind S (the promoted spare, rarely a survivor) receives the
-                full state from a rank at S (a data-parallel replica), chunked and verified
-    rewrap      a fresh DDP on the new group; the loop goes on at step S
+                state from a rank at S (a replica; in a sharded drain, the leaving rank),
+                chunked and verified (``rank/handover.py``)
+    rewrap      a fresh DDP on the new group (FSDP2 wraps in build); the loop goes on at step S
+
+One loop for every layout: what a rank's state is, how it is built, sent, judged and
+loaded is the injected :class:`~torchpass_slurm.rank.training_state.TrainingState`, full
+state_dicts for DDP (``rank/replicated.py``, this constructor's) or local shards for
+FSDP2/HSDP (``rank/sharded.py``, ``ShardedTrainer``).
 
 A promoted spare enters the same path from :meth:`ElasticTrainer.fit` with
 step -1. Per-rank randomness must be a function of (seed, rank, step): the
