@@ -4,6 +4,7 @@ importing the package stays light."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -101,3 +102,29 @@ def test_leave_exits_with_its_code_and_loses_no_output(tmp_path: Path) -> None:
                           cwd=ROOT, timeout=60, check=False)
     assert (done.returncode, done.stdout) == (3, "unterminated"), done.stderr
     assert "logged before leaving" in log.read_text()
+
+
+#: The call signatures training scripts use (sbatch-examples/, docs/user-guide-training.md):
+#: (name, kind) of every parameter, in order. A trainer's internals may change; these may not.
+SIGNATURES = {
+    "ElasticTrainer": [("rt", "POSITIONAL_OR_KEYWORD"), ("model", "POSITIONAL_OR_KEYWORD"),
+                       ("optimizer", "POSITIONAL_OR_KEYWORD"), ("state", "KEYWORD_ONLY"),
+                       ("scheduler", "KEYWORD_ONLY"), ("backend", "KEYWORD_ONLY"),
+                       ("ddp_kwargs", "KEYWORD_ONLY"), ("start_step", "KEYWORD_ONLY"),
+                       ("rank_state", "KEYWORD_ONLY")],
+    "ShardedTrainer": [("rt", "POSITIONAL_OR_KEYWORD"), ("build", "POSITIONAL_OR_KEYWORD"),
+                       ("layout", "POSITIONAL_OR_KEYWORD"), ("backend", "KEYWORD_ONLY"),
+                       ("device_type", "KEYWORD_ONLY"), ("start_step", "KEYWORD_ONLY"),
+                       ("rank_state", "KEYWORD_ONLY")],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_the_trainers_keep_their_call_signatures(name: str) -> None:
+    parameters = inspect.signature(getattr(train, name)).parameters.values()
+    assert [(p.name, p.kind.name) for p in parameters] == SIGNATURES[name]
+
+
+def test_both_trainers_are_the_one_trainer_class() -> None:
+    """``ShardedTrainer`` builds the same ``ElasticTrainer`` with a sharded state injected."""
+    assert inspect.signature(train.ShardedTrainer).return_annotation == "ElasticTrainer"
