@@ -196,6 +196,13 @@ class ReportEnvelope:
     event: str
     fields: Mapping[str, Any]
 
+    def to_body(self) -> dict[str, Any]:
+        return {"event": self.event, "fields": dict(self.fields)}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> ReportEnvelope:
+        return schema.parse(cls, body, "'report' body")
+
 
 @dataclass(frozen=True)
 class Report:

@@ -93,6 +93,8 @@ logger = logging.getLogger(__name__)
 #: Default timeout of collectives in the process group made by
 #: :meth:`Runtime.init_process_group` (bounds how long a silent peer blocks).
 DEFAULT_PG_TIMEOUT = datetime.timedelta(minutes=5)
+#: What a message this rank cannot read suggests.
+SKEW_HINT = "the supervisor and this worker run different torchpass-slurm versions?"
 #: How long :meth:`Runtime.close` waits for the heartbeat thread to say bye.
 CLOSE_TIMEOUT = datetime.timedelta(seconds=10)
 
@@ -395,7 +397,10 @@ class Runtime:
         msg = wait_for_promotion(self._client, interval, standby, self._beat_body, self.log, timeout, orphan)
         if msg.kind == Kind.STOP:
             self._exit_on_stop(msg)
-        self.promotion = Promote.from_body(msg.body)  # the one parse of it (decode checked it so)
+        try:  # the one parse of it
+            self.promotion = Promote.from_body(msg.body)
+        except ControlPlaneError as exc:
+            raise ControlPlaneError(f"malformed promote message: {exc.message}", hint=SKEW_HINT) from None
         self.info = promoted_rank_info(self.promotion, self._environ)
         self.is_spare_promoted = True
         self.log.info("promoted: %s", msg.body)

@@ -264,6 +264,8 @@ class FakeServer:
     def __init__(self, clock: VirtualClock) -> None:
         self.clock = clock
         self.inbox: list[tuple[bytes, Message]] = []
+        #: every worker message injected, in order (the contract test decodes them all)
+        self.injected: list[Message] = []
         self.sent: list[Sent] = []
         self.disconnected: set[bytes] = set()
         self.on_poll: list[Callable[[], None]] = []
@@ -276,6 +278,7 @@ class FakeServer:
         encode(message, SECRET)
         self._peers[sender] = peer
         self.inbox.append((peer, message))
+        self.injected.append(message)
 
     def poll(self, timeout: timedelta) -> list[tuple[bytes, Message]]:
         self.clock.advance(timeout.total_seconds())
