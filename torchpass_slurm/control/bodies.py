@@ -17,6 +17,7 @@ from typing import Any
 
 from torchpass_slurm.control.rankstate import check_copies
 from torchpass_slurm.control.reports import Report
+from torchpass_slurm.control.schema import JSONObject
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.strenum import StrEnum
 
@@ -56,7 +57,7 @@ class Promote:
     store_port: int = 0
     rank_state: tuple[tuple[int, Mapping[str, Any]], ...] = ()
 
-    def to_body(self) -> dict[str, Any]:
+    def to_body(self) -> JSONObject:
         copies = (
             {"rank_state": [[tag, dict(state)] for tag, state in self.rank_state]} if self.rank_state else {}
         )
@@ -113,8 +114,8 @@ class Reconfigure:
     leave: tuple[int, ...] = ()
     switch_after: int | None = None
 
-    def to_body(self) -> dict[str, Any]:
-        body: dict[str, Any] = {
+    def to_body(self) -> JSONObject:
+        body: JSONObject = {
             "epoch": self.epoch,
             "world_size": self.world_size,
             "store_addr": self.store_addr,
@@ -150,7 +151,7 @@ class Stop:
 
     reason: str
 
-    def to_body(self) -> dict[str, Any]:
+    def to_body(self) -> JSONObject:
         return {"reason": self.reason}
 
     @classmethod
@@ -164,7 +165,7 @@ class Ack:
 
     seq: int
 
-    def to_body(self) -> dict[str, Any]:
+    def to_body(self) -> JSONObject:
         return {"seq": self.seq}
 
     @classmethod

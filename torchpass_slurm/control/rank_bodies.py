@@ -16,7 +16,7 @@ from typing import Any
 from torchpass_slurm import jsonsafe
 from torchpass_slurm.control import schema
 from torchpass_slurm.control.rankstate import check_copy
-from torchpass_slurm.control.schema import wire
+from torchpass_slurm.control.schema import JSONObject, wire
 from torchpass_slurm.errors import ControlPlaneError
 
 __all__ = [
@@ -105,7 +105,7 @@ class Hello:
     #: the task is a spare that was promoted
     promoted: bool | None = None
 
-    def to_body(self) -> dict[str, Any]:
+    def to_body(self) -> JSONObject:
         return schema.dump(self)
 
     @classmethod
@@ -127,7 +127,7 @@ class Heartbeat:
     )
     pid: int | None = None
 
-    def to_body(self) -> dict[str, Any]:
+    def to_body(self) -> JSONObject:
         return schema.dump(self)
 
     @classmethod
@@ -143,7 +143,7 @@ class Bye:
     step: int | None = field(default=None, metadata=wire(null=True))
     state: str | None = None
 
-    def to_body(self) -> dict[str, Any]:
+    def to_body(self) -> JSONObject:
         return schema.dump(self)
 
     @classmethod
@@ -159,7 +159,7 @@ class Standby:
     local_rank: int
     pid: int | None = None
 
-    def to_body(self) -> dict[str, Any]:
+    def to_body(self) -> JSONObject:
         return schema.dump(self)
 
     @classmethod
@@ -175,7 +175,7 @@ class RankStateCopy:
     step: int
     state: Mapping[str, Any]
 
-    def to_body(self) -> dict[str, Any]:
+    def to_body(self) -> JSONObject:
         return {"rank": self.rank, "step": self.step, "state": dict(self.state)}
 
     @classmethod

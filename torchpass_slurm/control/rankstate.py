@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
 
 from torchpass_slurm import jsonsafe
+from torchpass_slurm.control.schema import JSONObject
 from torchpass_slurm.errors import ControlPlaneError
 
 __all__ = [
@@ -63,7 +63,7 @@ def check_copy(tag: object, state: object, where: str = "rank state") -> None:
         )
 
 
-def check_copies(value: object, where: str = "rank_state") -> list[tuple[int, dict[str, Any]]]:
+def check_copies(value: object, where: str = "rank_state") -> list[tuple[int, JSONObject]]:
     """A promote's ``rank_state``: at most :data:`MAX_RANK_STATE_COPIES` ``[tag, state]`` pairs,
     tags strictly increasing. The copies, as (tag, state); ControlPlaneError otherwise."""
     if not isinstance(value, list) or len(value) > MAX_RANK_STATE_COPIES:
@@ -71,7 +71,7 @@ def check_copies(value: object, where: str = "rank_state") -> list[tuple[int, di
             f"{where} is {type(value).__name__} of {len(value) if isinstance(value, Sequence) else '-'} "
             f"items; expected a list of at most {MAX_RANK_STATE_COPIES} [step, state] pairs"
         )
-    copies: list[tuple[int, dict[str, Any]]] = []
+    copies: list[tuple[int, JSONObject]] = []
     for pair in value:
         if not isinstance(pair, list) or len(pair) != 2:
             raise ControlPlaneError(f"{where} has the entry {str(pair)[:80]}; expected [step, state]")

@@ -19,7 +19,7 @@ from typing import Any
 
 from torchpass_slurm.control import schema
 from torchpass_slurm.control.kinds import ReportKind
-from torchpass_slurm.control.schema import wire
+from torchpass_slurm.control.schema import JSONObject, wire
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.mesh import MeshLayout
 
@@ -196,7 +196,7 @@ class ReportEnvelope:
     event: str
     fields: Mapping[str, Any]
 
-    def to_body(self) -> dict[str, Any]:
+    def to_body(self) -> JSONObject:
         return {"event": self.event, "fields": dict(self.fields)}
 
     @classmethod
@@ -225,11 +225,11 @@ class Report:
         return self.data.mesh if isinstance(self.data, LiveReady) else None
 
     @property
-    def fields(self) -> dict[str, Any]:
+    def fields(self) -> JSONObject:
         """The fields as they travel (and as the event log records them)."""
         return schema.dump(self.data)
 
-    def to_body(self) -> dict[str, Any]:
+    def to_body(self) -> JSONObject:
         return {"event": self.kind.value, "fields": self.fields}
 
     @classmethod

@@ -34,9 +34,22 @@ from typing import Any, TypeVar
 
 from torchpass_slurm.errors import ControlPlaneError
 
-__all__ = ["Spec", "wire", "specs", "required_types", "check_value", "parse", "dump", "describe"]
+__all__ = [
+    "JSONObject",
+    "Spec",
+    "wire",
+    "specs",
+    "required_types",
+    "check_value",
+    "parse",
+    "dump",
+    "describe",
+]
 
 T = TypeVar("T")
+#: A JSON object as it travels: a body (what ``to_body`` returns and ``from_body`` reads), a
+#: report's fields, a copy of a rank's state. Its keys and their types are its class's.
+JSONObject = dict[str, Any]
 _NONE = type(None)
 
 
@@ -48,7 +61,7 @@ def wire(
     encode: Callable[[Any], Any] | None = None,
     json: tuple[type, ...] | None = None,
     extra: bool = False,
-) -> dict[str, Any]:
+) -> JSONObject:
     """Field metadata: ``null`` (None travels as null), ``items`` (a list's element type),
     ``decode(value, what)``/``encode(value)`` (the wire value <-> the field's value),
     ``json`` (the wire types, where the annotation is not a JSON type), ``extra`` (the field
@@ -176,7 +189,7 @@ def parse(cls: type[T], body: Mapping[str, Any], what: str) -> T:
     if not isinstance(body, Mapping):
         raise ControlPlaneError(f"{what} is a {type(body).__name__}; expected a JSON object")
     declared, extra = _specs(cls)
-    values: dict[str, Any] = {}
+    values: JSONObject = {}
     for spec in declared:
         if spec.name not in body:
             if spec.required:
@@ -191,10 +204,10 @@ def parse(cls: type[T], body: Mapping[str, Any], what: str) -> T:
     return cls(**values)
 
 
-def dump(obj: Any) -> dict[str, Any]:
+def dump(obj: Any) -> JSONObject:
     """The JSON object of the body dataclass ``obj`` (see the module docstring for what is left out)."""
     declared, extra = _specs(type(obj))
-    body: dict[str, Any] = dict(getattr(obj, extra)) if extra is not None else {}
+    body: JSONObject = dict(getattr(obj, extra)) if extra is not None else {}
     for spec in declared:
         value = getattr(obj, spec.name)
         if value is None and not spec.required and not spec.null:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from torchpass_slurm.control.messages import Kind
+from torchpass_slurm.control.schema import JSONObject
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.rank.nodebeat import NodeBeat
 from torchpass_slurm.rank.orphan import Orphan
@@ -50,7 +51,7 @@ __all__ = [
 OUTBOX_SLICE_S = 0.05
 
 
-class Outbox(queue.Queue[tuple[str, dict[str, Any]]]):
+class Outbox(queue.Queue[tuple[str, JSONObject]]):
     """The messages the training thread hands to the heartbeat thread, with a wake-up pipe:
     every :meth:`put` writes a byte to it, so a thread polling :meth:`fileno` wakes at once."""
 
@@ -58,7 +59,7 @@ class Outbox(queue.Queue[tuple[str, dict[str, Any]]]):
         super().__init__()
         self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
-    def put(self, item: tuple[str, dict[str, Any]], block: bool = True, timeout: float | None = None) -> None:
+    def put(self, item: tuple[str, JSONObject], block: bool = True, timeout: float | None = None) -> None:
         super().put(item, block, timeout)
         self.wake()
 
@@ -95,7 +96,7 @@ class Message(Protocol):
 class ControlClientLike(Protocol):
     """What the runtime needs from :class:`torchpass_slurm.control.client.ControlClient`."""
 
-    def send(self, kind: str, body: dict[str, Any]) -> object: ...
+    def send(self, kind: str, body: JSONObject) -> object: ...
 
     def recv(self, timeout: datetime.timedelta) -> Message | None: ...
 
@@ -152,8 +153,8 @@ class JobSeals:
 def wait_for_promotion(
     client: ControlClientLike,
     interval: datetime.timedelta,
-    standby: dict[str, Any],
-    beat: Callable[[], dict[str, Any]],
+    standby: JSONObject,
+    beat: Callable[[], JSONObject],
     log: logging.LoggerAdapter[logging.Logger],
     timeout: datetime.timedelta | None,
     orphan: Orphan | None = None,
@@ -194,9 +195,9 @@ class Heartbeat(threading.Thread):
         client: ControlClientLike,
         interval: float,
         *,
-        beat: Callable[..., dict[str, Any]],
+        beat: Callable[..., JSONObject],
         on_message: Callable[[Message], None],
-        outbox: queue.Queue[tuple[str, dict[str, Any]]],
+        outbox: queue.Queue[tuple[str, JSONObject]],
         log: logging.LoggerAdapter[logging.Logger],
         node: NodeBeat | None = None,
         orphan: Orphan | None = None,
@@ -247,7 +248,7 @@ class Heartbeat(threading.Thread):
             self._outbox.wake()
 
     def _heartbeat(self) -> None:
-        body: dict[str, Any] | None = self._beat()
+        body: JSONObject | None = self._beat()
         if self._node is not None and body is not None:
             body = self._node.periodic(body)  # None: handed to local rank 0
         if body is not None:
@@ -261,7 +262,7 @@ class Heartbeat(threading.Thread):
                 return
             self._send(kind, body)
 
-    def _send(self, kind: str, body: dict[str, Any]) -> None:
+    def _send(self, kind: str, body: JSONObject) -> None:
         try:
             self._client.send(kind, body)
         except ControlPlaneError as exc:  # keep training; the supervisor judges missing heartbeats

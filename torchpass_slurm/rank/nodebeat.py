@@ -40,12 +40,13 @@ import time
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from torchpass_slurm.config import ENV_EPOCH, ENV_NODE_HEARTBEAT, ENV_SECRET_FILE
 from torchpass_slurm.control.kinds import Kind
 from torchpass_slurm.control.messages import Message, Receiver, SequenceCounter, encode
 from torchpass_slurm.control.rank_bodies import MAX_STATE_CHARS, MAX_TASKS, Heartbeat, TaskBeat
+from torchpass_slurm.control.schema import JSONObject
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.rank.rankinfo import RankInfo
 
@@ -80,7 +81,7 @@ def process_alive(pid: int) -> bool:
 class NodeBeat(Protocol):
     """What the heartbeat thread does with its beat on a node with per-node heartbeats."""
 
-    def periodic(self, body: dict[str, Any]) -> dict[str, Any] | None:
+    def periodic(self, body: JSONObject) -> JSONObject | None:
         """The heartbeat to send to the supervisor for ``body`` (this rank's beat), or None."""
         ...
 
@@ -152,7 +153,7 @@ class BeatRelay:
         self._sock.connect(endpoint)
         self._dropped = 0
 
-    def periodic(self, body: dict[str, Any]) -> None:
+    def periodic(self, body: JSONObject) -> None:
         import zmq
 
         beat = replace(Heartbeat.from_body(body), pid=os.getpid()).to_body()
@@ -197,7 +198,7 @@ class BeatCollector:
         self.endpoint = endpoint
         self._bound = Path(endpoint.removeprefix("ipc://"))
 
-    def periodic(self, body: dict[str, Any]) -> dict[str, Any]:
+    def periodic(self, body: JSONObject) -> JSONObject:
         self.collect()
         now = time.monotonic()
         tasks = tuple(

@@ -35,6 +35,7 @@ from torchpass_slurm.control.rankstate import (
     canonical,
     check_copy,
 )
+from torchpass_slurm.control.schema import JSONObject
 from torchpass_slurm.errors import ControlPlaneError, TorchpassError
 from torchpass_slurm.rank.rankinfo import Role
 from torchpass_slurm.rank.runtime import Runtime
@@ -59,7 +60,7 @@ class RankState:
         self.objects = dict(objects)
         #: the tag of the state the objects hold now (None: never captured)
         self.tag: int | None = None
-        self._copies: list[tuple[int, dict[str, Any]]] = []  # this rank's own last copies
+        self._copies: list[tuple[int, JSONObject]] = []  # this rank's own last copies
 
     def capture(self, tag: int) -> None:
         """Copy the objects' state as the one valid once step ``tag`` commits; send it to the supervisor."""

@@ -57,6 +57,7 @@ from torchpass_slurm.control import rank_bodies
 from torchpass_slurm.control.bodies import Promote, Reconfigure
 from torchpass_slurm.control.kinds import Kind, ReportKind
 from torchpass_slurm.control.reports import Report
+from torchpass_slurm.control.schema import JSONObject
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.phase import Phase
 from torchpass_slurm.rank.group import destroy_group, superseding
@@ -142,7 +143,7 @@ class Runtime:
         self._config = config or SupervisorConfig.from_env(environ)
         self._heartbeat: Heartbeat | None = None
         #: messages for the supervisor, sent by the heartbeat thread
-        self.outbox: queue.Queue[tuple[str, dict[str, Any]]] = Outbox()
+        self.outbox: queue.Queue[tuple[str, JSONObject]] = Outbox()
         #: reconfigure messages from the supervisor, for the training thread
         self.reconfigures: queue.Queue[Reconfigure] = queue.Queue()
         #: the promote message, for a promoted spare
@@ -333,11 +334,11 @@ class Runtime:
             )
         return self.info
 
-    def _send(self, kind: str, body: dict[str, Any]) -> None:
+    def _send(self, kind: str, body: JSONObject) -> None:
         assert self._client is not None and self._heartbeat is None, "the heartbeat thread owns the client"
         self._client.send(kind, body)
 
-    def _hello_body(self) -> dict[str, Any]:
+    def _hello_body(self) -> JSONObject:
         info = self._info()
         return rank_bodies.Hello(
             node=self.node,
@@ -350,7 +351,7 @@ class Runtime:
             promoted=self.is_spare_promoted,
         ).to_body()
 
-    def _beat_body(self, state: str | None = None) -> dict[str, Any]:
+    def _beat_body(self, state: str | None = None) -> JSONObject:
         rank = self.info.rank if self.info is not None else None
         return rank_bodies.Heartbeat(rank=rank, step=self.step, state=str(state or self.state)).to_body()
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from torchpass_slurm.config import NodeRole, SupervisorConfig
 from torchpass_slurm.control.bodies import Promote, PromoteMode, Reconfigure, Stop
 from torchpass_slurm.control.messages import Kind
+from torchpass_slurm.control.schema import JSONObject
 from torchpass_slurm.control.server import ControlServer
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.supervisor.state import Clock, JobState
@@ -174,7 +174,7 @@ class Orders:
         for sender in step.standby_senders if step is not None else ():
             self.send(sender, Kind.STOP, Stop(reason).to_body())
 
-    def send(self, sender: str, kind: Kind, body: dict[str, Any]) -> None:
+    def send(self, sender: str, kind: Kind, body: JSONObject) -> None:
         """Best effort: a worker that is gone is found by the detectors, not here."""
         peer = self.server.peer_of(sender)
         if peer is None:
