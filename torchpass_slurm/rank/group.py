@@ -3,7 +3,7 @@
 A survivor whose collective failed must close its sockets at once: a peer
 that waits on it (in gloo's ring, another survivor, not the dead rank) sits
 in its collective until the collective timeout otherwise, and the whole
-recovery waits for it. Measured with ``python -m benchmarks.dead_collective``
+recovery waits for it. Measured with ``python -m benchmarks.experiments.dead_collective``
 (torch 2.13, gloo, 3 ranks, one killed): the peer left after 0.02 s when the
 failed rank dropped every reference to the group and destroyed it, and only
 at its collective timeout when the rank kept the group, or destroyed it
@@ -31,7 +31,7 @@ itself: gloo connects its full mesh inside ``init_process_group`` (2.6 and
 the connected TCP sockets that appeared there, less the store's. A
 ``shutdown(SHUT_RDWR)`` on a duplicate of each wakes gloo's blocked read at
 once: the collective raises ``[...pair.cc:N] Connection closed by peer``,
-a comm error to ``is_comm_error`` (``benchmarks/dead_collective.py``, torch
+a comm error to ``is_comm_error`` (``benchmarks/experiments/dead_collective.py``, torch
 2.13, a frozen peer: the survivors left 0.5 s after the freeze, when the
 abort came, against the 15 s collective timeout without it; untried on
 2.6). gloo's own descriptors are never closed, and a descriptor is only

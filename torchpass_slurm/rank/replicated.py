@@ -34,7 +34,7 @@ __all__ = ["ReplicatedState", "DEFAULT_DDP_KWARGS", "with_rank_state"]
 #: first step and rebuilds the buckets in gradient-ready order before the second, so the first
 #: step after a re-wrap (or a resume) reduces on another layout than the same step of a run never
 #: re-wrapped, and gloo sums an element in an order set by its place in the bucket. Measured with
-#: ``python -m benchmarks.ddp_determinism`` (torch 2.13 CPU, gloo, 3 processes, tiny_gpt d_model
+#: ``python -m benchmarks.experiments.ddp_determinism`` (torch 2.13 CPU, gloo, 3 processes, tiny_gpt d_model
 #: 128, 2 layers, AdamW, 30 steps): with the defaults, ``static_graph=True``,
 #: ``bucket_cap_mb=1024`` or ``gradient_as_bucket_view=True``, both a run re-wrapped before steps
 #: 10 and 20 and fresh processes resuming at step 10 first differ at step 10 and end with ~380,000

@@ -12,7 +12,7 @@ the switch, so their copy of the switch step arrives after the plan: the promoti
 also waits for that copy (tagged with the switch step), for their ``released`` (sent after
 it, on the same connection), or for the end of their step. The copy is enough: a sharded
 leaving rank reports ``released`` only once it has handed its shards to the spare, which
-needs the promotion first (``rank/shard_handover.py``).
+needs the promotion first (``rank/handover.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """ElasticTrainer's DDP keyword arguments keep a re-wrapped run bitwise equal to one never re-wrapped.
 
-Check (b) of ``benchmarks/ddp_determinism.py``, small: 3 gloo processes on
+Check (b) of ``benchmarks/experiments/ddp_determinism.py``, small: 3 gloo processes on
 127.0.0.1 train sbatch-examples/tiny_gpt.py's model shrunk (d_model 32, one
 layer) for 6 steps, once in one DDP wrap and once re-wrapped in a fresh DDP on
 a fresh process group before steps 2 and 4, as after a live migration. The
@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("numpy")
 
-from benchmarks import ddp_determinism as bench
+from benchmarks.experiments import ddp_determinism as bench
 from torchpass_slurm.rank.elastic import DEFAULT_DDP_KWARGS, ElasticTrainer
 
 PLAN = bench.Plan(

@@ -38,7 +38,7 @@ LOG = logging.LoggerAdapter(logging.getLogger(__name__), {})
 PEER_TIMEOUT_S = 60
 #: The survivor must leave its collective within this of the abort.
 LEAVE_WITHIN_S = 2.0
-#: When the reconfigure arrives after the peer froze (as ``benchmarks/dead_collective.py``).
+#: When the reconfigure arrives after the peer froze (as ``benchmarks/experiments/dead_collective.py``).
 ABORT_AFTER_S = 0.5
 WAIT_S = 60
 LOOPING_AFTER = 20
