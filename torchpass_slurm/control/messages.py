@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import Any, Protocol, TypeGuard, TypeVar, cast
 
 from torchpass_slurm import jsonsafe
 from torchpass_slurm.control import schema
@@ -64,6 +64,7 @@ from torchpass_slurm.control.reports import ReportEnvelope
 from torchpass_slurm.errors import AuthenticationError, ControlPlaneError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 __all__ = [
     "Kind",
@@ -96,6 +97,7 @@ __all__ = [
     "SequenceCounter",
     "encode",
     "decode",
+    "body_of",
 ]
 
 # --- kinds --------------------------------------------------------------------
@@ -174,6 +176,9 @@ class Message:
     ts: float
     body: Mapping[str, Any] = field(default_factory=dict)
     to: str = SUPERVISOR
+    #: the typed body :func:`decode` checked ``body`` with (None: a message not decoded here);
+    #: read it with :func:`body_of`
+    typed: object = field(default=None, compare=False, repr=False)
 
 
 class ReplayGuard:
@@ -286,7 +291,7 @@ def decode(
             f"control message of kind {msg.kind!r} is not accepted here; "
             f"expected one of {', '.join(sorted(allowed))}"
         )
-    _check_body(msg.kind, msg.body)
+    typed = _check_body(msg.kind, msg.body)
     if recipient is not None and msg.to != recipient:
         raise AuthenticationError(
             f"{msg.kind!r} message from {msg.sender!r} is addressed to {msg.to!r}, not to "
@@ -295,7 +300,24 @@ def decode(
     _check_fresh(msg, time.time() if now is None else now, max_skew_s)
     if guard is not None:
         guard.check_and_record(msg.sender, msg.seq)
-    return msg
+    return Message(msg.kind, msg.sender, msg.seq, msg.ts, msg.body, msg.to, typed)
+
+
+class Received(Protocol):
+    """A received message as its readers see it (a :class:`Message`, or a test's stand-in)."""
+
+    @property
+    def body(self) -> Mapping[str, Any]: ...
+
+
+def body_of(message: Received, cls: type[T]) -> T:
+    """``message``'s body as the body class ``cls`` (``Heartbeat``, ``Promote``, ...): the one
+    :func:`decode` made, else read now; ControlPlaneError if the body does not fit ``cls``."""
+    typed = getattr(message, "typed", None)
+    if isinstance(typed, cls):
+        return typed
+    result: T = cast(Any, cls).from_body(message.body)
+    return result
 
 
 class Receiver:
@@ -427,10 +449,11 @@ def _check_header(kind: object, sender: object, seq: object, ts: object, to: obj
         raise ControlPlaneError(f"control message ts must be a finite number; got {ts!r}")
 
 
-def _check_body(kind: str, body: object) -> None:
+def _check_body(kind: str, body: object) -> object:
+    """The typed body of ``body`` (its kind's ``from_body``); ControlPlaneError if it does not fit."""
     if not isinstance(body, Mapping):
         raise ControlPlaneError(f"{kind!r} body is a {type(body).__name__}; expected a dict")
-    BODY_TYPES[kind].from_body(body)
+    return BODY_TYPES[kind].from_body(body)
 
 
 def _check_fresh(msg: Message, now: float, max_skew_s: float) -> None:

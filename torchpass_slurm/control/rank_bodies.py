@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from torchpass_slurm import jsonsafe
 from torchpass_slurm.control import schema
@@ -39,10 +39,11 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-@dataclass(frozen=True)
-class TaskBeat:
+class TaskBeat(NamedTuple):
     """One task of a per-node heartbeat: ``NODE/local_rank`` was last heard ``age_ms`` ago, at
-    ``step`` in ``state``; ``alive``: its process lives (None: the relay did not say)."""
+    ``step`` in ``state``; ``alive``: its process lives (None: the relay did not say). A named
+    tuple: its wire form is the array of its values, and a node's local rank 0 sends one per
+    task every interval."""
 
     local_rank: int
     rank: int | None
@@ -52,8 +53,7 @@ class TaskBeat:
     alive: bool | None = None
 
     def to_wire(self) -> list[Any]:
-        entry = [self.local_rank, self.rank, self.step, self.state, self.age_ms]
-        return entry if self.alive is None else [*entry, self.alive]
+        return list(self) if self.alive is not None else list(self[:5])
 
     @classmethod
     def from_wire(cls, entry: object) -> TaskBeat:

@@ -56,6 +56,7 @@ from torchpass_slurm.config import (
 from torchpass_slurm.control import rank_bodies
 from torchpass_slurm.control.bodies import Promote, Reconfigure
 from torchpass_slurm.control.kinds import Kind, ReportKind
+from torchpass_slurm.control.messages import body_of
 from torchpass_slurm.control.reports import Report
 from torchpass_slurm.control.schema import JSONObject
 from torchpass_slurm.errors import ControlPlaneError
@@ -376,7 +377,7 @@ class Runtime:
         """A message for an active rank (called from the heartbeat thread)."""
         if msg.kind == Kind.RECONFIGURE:
             try:  # the group it supersedes is aborted before the training thread hears of it
-                self.reconfigures.put(superseding(Reconfigure.from_body(msg.body), self.log))
+                self.reconfigures.put(superseding(body_of(msg, Reconfigure), self.log))
             except ControlPlaneError as exc:
                 self.log.warning("ignoring a malformed reconfigure: %s", exc)
         elif msg.kind == Kind.STOP:
@@ -398,8 +399,8 @@ class Runtime:
         msg = wait_for_promotion(self._client, interval, standby, self._beat_body, self.log, timeout, orphan)
         if msg.kind == Kind.STOP:
             self._exit_on_stop(msg)
-        try:  # the one parse of it
-            self.promotion = Promote.from_body(msg.body)
+        try:
+            self.promotion = body_of(msg, Promote)  # decode read it: the one parse of it
         except ControlPlaneError as exc:
             raise ControlPlaneError(f"malformed promote message: {exc.message}", hint=SKEW_HINT) from None
         self.info = promoted_rank_info(self.promotion, self._environ)

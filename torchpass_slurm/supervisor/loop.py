@@ -30,7 +30,7 @@ from typing import Any
 from torchpass_slurm.config import NodeRole, SupervisorConfig
 from torchpass_slurm.control.bodies import Stop
 from torchpass_slurm.control.kinds import Kind, ReportKind
-from torchpass_slurm.control.messages import Message
+from torchpass_slurm.control.messages import Message, body_of
 from torchpass_slurm.control.rank_bodies import Heartbeat, Hello, RankStateCopy, Standby
 from torchpass_slurm.control.reports import (
     Agreement,
@@ -299,18 +299,18 @@ class Supervisor:
         kind, body = message.kind, message.body
         try:  # decode checked the body with the same class: this is its one typed reading
             if kind == Kind.HELLO:
-                if step.hello(message.sender, Hello.from_body(body), now):  # the step is up
+                if step.hello(message.sender, body_of(message, Hello), now):  # the step is up
                     ranks = list(self.job.membership.ranks_of(node))
                     self.events.append(ev.WORKER_UP, node=node, role=step.role, ranks=ranks)
             elif kind == Kind.HEARTBEAT:
-                step.heartbeat(message.sender, Heartbeat.from_body(body), now)
+                step.heartbeat(message.sender, body_of(message, Heartbeat), now)
             elif kind == Kind.RANK_STATE:
-                copy = RankStateCopy.from_body(body)
+                copy = body_of(message, RankStateCopy)
                 self.job.rank_states.accept(self.job.membership, node, message.sender, copy)
             elif kind == Kind.BYE:
                 step.said_bye.add(message.sender)  # it stops beating; its step's exit says the rest
             elif kind == Kind.STANDBY:
-                if step.standby(message.sender, Standby.from_body(body), now):  # the spare is up
+                if step.standby(message.sender, body_of(message, Standby), now):  # the spare is up
                     self.events.append(ev.WORKER_UP, node=node, role=NodeRole.SPARE)
             elif kind == Kind.REPORT:
                 report = Report.from_body(body)
