@@ -7,7 +7,7 @@ the wire, with the JSON types its annotation allows::
     int                    an integer (not a bool)  an error, unless the field has a default
     float                  a number
     str, bool              a string, true/false
-    tuple[int, ...]        a list of integers       (``items``)
+    tuple[int, ...]        a list of integers       (``items``; read back as a tuple)
     int | None             an integer; with ``wire(null=True)`` null too
     Mapping[str, Any]      an object
 
@@ -197,7 +197,11 @@ def parse(cls: type[T], body: Mapping[str, Any], what: str) -> T:
             continue
         value = body[spec.name]
         check_value(spec, value, what)
-        values[spec.name] = spec.decode(value, f"{what} field {spec.name!r}") if spec.decode else value
+        if spec.decode is not None:
+            value = spec.decode(value, f"{what} field {spec.name!r}")
+        elif isinstance(value, list):  # a declared list is a tuple of its dataclass (frozen)
+            value = tuple(value)
+        values[spec.name] = value
     if extra is not None:
         names = {s.name for s in declared}
         values[extra] = {k: v for k, v in body.items() if k not in names}
