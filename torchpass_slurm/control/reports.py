@@ -108,7 +108,7 @@ class Agreement(ReportFields):
 
 @dataclass(frozen=True, kw_only=True)
 class TransferDone(ReportFields):
-    """A receiver: the state of ``step`` arrived from ``donor``."""
+    """A receiver: the state of ``step`` arrived from ``donor`` (``sealed``: authenticated)."""
 
     epoch: int
     donor: int | None = None
@@ -119,6 +119,8 @@ class TransferDone(ReportFields):
     retries: int | None = None
     resumed_from: int | None = None
     sealed: bool | None = None
+    #: a sharded receiver: how its shards came (``group``, or ``socket`` from a leaving rank)
+    via: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
