@@ -23,7 +23,7 @@ POLL_INTERVAL_S = 2.0
 def _reason(ctx: click.Context, param: click.Parameter, value: str) -> str:
     """The drain reason as given: Slurm needs one, and keeps it on one line."""
     if not value.strip():
-        raise click.BadParameter("is blank; say why the node is drained (Slurm requires a reason)")
+        raise click.BadParameter("must not be blank; say why the node is drained (Slurm requires a reason)")
     bad = sorted({repr(c) for c in value if not c.isprintable()})
     if bad:
         raise click.BadParameter(f"holds the control character(s) {', '.join(bad)}; use one line of text")

@@ -10,8 +10,9 @@ from .conftest import tp
 
 
 @pytest.mark.parametrize(("reason", "said"), [
-    (" ", "is blank; say why the node is drained"),
-    ("", "is blank"),
+    (" ", "must not be blank; say why the node is drained"),
+    ("\t  ", "must not be blank"),
+    ("", "must not be blank"),
     ("firmware\nupdate", "control character(s) '\\n'"),
     ("bad\x1b[2Jscreen", "control character(s) '\\x1b'"),
 ])
