@@ -195,7 +195,7 @@ class ControlClient:
         self.close()
 
 
-def configure_socket(sock: zmq.Socket, limits: SocketLimits = DEFAULT_LIMITS) -> None:
+def configure_socket(sock: zmq.Socket[bytes], limits: SocketLimits = DEFAULT_LIMITS) -> None:
     """Options every control-plane socket gets: no linger, bounded queues and frames,
     a handshake timeout and ZMTP heartbeats (:class:`~torchpass_slurm.control.security.SocketLimits`)."""
     sock.setsockopt(zmq.LINGER, 0)

@@ -68,8 +68,8 @@ class Gatekeeper:
 
     def __init__(
         self,
-        ctx: zmq.Context,
-        server: zmq.Socket,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        server: zmq.Socket[bytes],
         keys: CurveKeys,
         limits: SocketLimits,
         *,

@@ -113,7 +113,7 @@ class SocketLimits:
 DEFAULT_LIMITS = SocketLimits()
 
 
-def apply_limits(sock: zmq.Socket, limits: SocketLimits = DEFAULT_LIMITS) -> None:
+def apply_limits(sock: zmq.Socket[bytes], limits: SocketLimits = DEFAULT_LIMITS) -> None:
     """Handshake timeout and ZMTP heartbeats on ``sock`` (call before bind/connect)."""
     sock.setsockopt(zmq.HANDSHAKE_IVL, _ms(limits.handshake_timeout))
     sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(limits.heartbeat_interval))
@@ -121,14 +121,14 @@ def apply_limits(sock: zmq.Socket, limits: SocketLimits = DEFAULT_LIMITS) -> Non
     sock.setsockopt(zmq.HEARTBEAT_TTL, _ms(limits.heartbeat_timeout))
 
 
-def make_curve_server(sock: zmq.Socket, keys: CurveKeys) -> None:
+def make_curve_server(sock: zmq.Socket[bytes], keys: CurveKeys) -> None:
     """Make ``sock`` a CURVE server of the job; its ZAP handler decides who is admitted."""
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.server_secret)
     sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode("ascii"))
 
 
-def make_curve_client(sock: zmq.Socket, keys: CurveKeys) -> None:
+def make_curve_client(sock: zmq.Socket[bytes], keys: CurveKeys) -> None:
     """Make ``sock`` a CURVE client of the job's server, with the job's client key pair."""
     sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)

@@ -271,7 +271,10 @@ class Heartbeat(threading.Thread):
     def _recv(self, seconds: float, wake: int | None = None) -> Message | None:
         try:
             if wake is not None:
-                return self._client.recv_or_wake(datetime.timedelta(seconds=seconds), wake)  # type: ignore[attr-defined]
+                woken: Message | None = self._client.recv_or_wake(  # type: ignore[attr-defined]
+                    datetime.timedelta(seconds=seconds), wake
+                )
+                return woken
             return self._client.recv(datetime.timedelta(seconds=seconds))
         except ControlPlaneError as exc:
             self._log.warning("control plane receive failed: %s", exc)

@@ -44,7 +44,7 @@ import os
 import queue
 import threading
 from collections.abc import MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchpass_slurm.config import (
     ENV_CONTROL,
@@ -104,7 +104,13 @@ CLOSE_TIMEOUT = datetime.timedelta(seconds=10)
 # --- the runtime ------------------------------------------------------------------
 
 
-class _RankAdapter(logging.LoggerAdapter):
+if TYPE_CHECKING:
+    _LoggerAdapter = logging.LoggerAdapter[logging.Logger]
+else:  # subscriptable at run time only from Python 3.11 on
+    _LoggerAdapter = logging.LoggerAdapter
+
+
+class _RankAdapter(_LoggerAdapter):
     """Prefixes every line with ``[job/rank/epoch/step]``."""
 
     def __init__(self, logger: logging.Logger, runtime: Runtime) -> None:

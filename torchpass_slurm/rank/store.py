@@ -88,8 +88,8 @@ class JobStore(dist.Store):
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._pid = -1
-        self._ctx: zmq.Context | None = None
-        self._sockets: list[zmq.Socket] = []  # every thread's, held here so that close() reaches them
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sockets: list[zmq.Socket[bytes]] = []  # every thread's, held here so that close() reaches them
         self._local = threading.local()
 
     # -- torch's Store interface -------------------------------------------------------------
@@ -159,7 +159,7 @@ class JobStore(dist.Store):
     def _wait_ms(self, timeout: datetime.timedelta | None) -> bytes:
         return encode_int(timeout_ms(timeout or self._timeout))
 
-    def _socket(self) -> zmq.Socket:
+    def _socket(self) -> zmq.Socket[bytes]:
         with self._lock:
             if self._pid != os.getpid():  # first use, or a forked child: the parent's are not ours
                 self._pid, self._ctx, self._local = os.getpid(), zmq.Context(), threading.local()
@@ -168,7 +168,7 @@ class JobStore(dist.Store):
             ctx, sockets = self._ctx, self._sockets
         if ctx is None:
             raise StoreUnavailable(f"the connection to the job's store at {self.endpoint} is closed")
-        sock: zmq.Socket | None = getattr(self._local, "sock", None)
+        sock: zmq.Socket[bytes] | None = getattr(self._local, "sock", None)
         if sock is None:
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -193,7 +193,7 @@ class JobStore(dist.Store):
             sock.close(linger=0)
 
 
-def _release(ctx: zmq.Context, sockets: list[zmq.Socket], owner: int) -> None:
+def _release(ctx: zmq.Context[zmq.Socket[bytes]], sockets: list[zmq.Socket[bytes]], owner: int) -> None:
     """Close ``sockets``, then ``ctx``, in the process that made them (a forked child leaves
     its parent's alone: they are not its to close)."""
     if os.getpid() != owner:
