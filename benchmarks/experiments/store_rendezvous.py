@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torchpass_slurm.supervisor.store_host import StoreHost
 from torchpass_slurm.control.secret import create_secret
+from torchpass_slurm.supervisor.store_host import StoreHost
 
 TIMEOUT = datetime.timedelta(seconds=60)
 POLL_S = 0.05  # rank/rendezvous.py's POLL_S

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.errors import EventLogError
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.rundir.events import Event, EventLog, read_events
 
 
@@ -33,8 +33,13 @@ def test_append_and_read(path: Path) -> None:
     assert b.epoch == 1 and c.epoch == 7
     assert read_events(path) == [
         a,
-        Event(clock(), "spare_promoted", "4242", 1,
-              {"node": "s1", "replaces": "n2", "ranks": [4, 5], "dir": str(path.parent)}),
+        Event(
+            clock(),
+            "spare_promoted",
+            "4242",
+            1,
+            {"node": "s1", "replaces": "n2", "ranks": [4, 5], "dir": str(path.parent)},
+        ),
         c,
     ]
 
@@ -119,8 +124,12 @@ def test_garbage_in_the_middle_is_an_error(path: Path) -> None:
 
 @pytest.mark.parametrize(
     "line",
-    [b"[1]", b'{"kind": "x"}', b'{"ts": "now", "kind": "x", "job": "", "epoch": 0}',
-     b'{"ts": 1, "kind": "x", "job": "", "epoch": true}'],
+    [
+        b"[1]",
+        b'{"kind": "x"}',
+        b'{"ts": "now", "kind": "x", "job": "", "epoch": 0}',
+        b'{"ts": 1, "kind": "x", "job": "", "epoch": true}',
+    ],
 )
 def test_lines_that_are_not_events(path: Path, line: bytes) -> None:
     path.parent.mkdir(parents=True)
@@ -138,7 +147,12 @@ def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "fields",
-    [{"step": float("inf")}, {"loss": float("nan")}, {"step": 10**30}, {"x": [[[[[[[[[[[[[[[[[0]]]]]]]]]]]]]]]]]}],
+    [
+        {"step": float("inf")},
+        {"loss": float("nan")},
+        {"step": 10**30},
+        {"x": [[[[[[[[[[[[[[[[[0]]]]]]]]]]]]]]]]]},
+    ],
     ids=["inf", "nan", "huge-int", "deep"],
 )
 def test_append_refuses_what_the_reader_could_not_read(path: Path, fields: dict[str, object]) -> None:
@@ -152,11 +166,13 @@ def test_append_refuses_what_the_reader_could_not_read(path: Path, fields: dict[
 
 @pytest.mark.parametrize(
     "line",
-    [b'{"ts": 1, "kind": "x", "job": "", "epoch": 0, "a": ' + b"[" * 30_000 + b"]" * 30_000 + b"}",
-     b'{"ts": 1, "kind": "x", "job": "", "epoch": 0, "step": Infinity}',
-     b'{"ts": 1, "kind": "x", "job": "", "epoch": 0, "step": ' + b"9" * 400 + b"}",
-     b'{"ts": 1, "kind": "x", "job": "", "epoch": "1"}',
-     b"\xff\xfe"],
+    [
+        b'{"ts": 1, "kind": "x", "job": "", "epoch": 0, "a": ' + b"[" * 30_000 + b"]" * 30_000 + b"}",
+        b'{"ts": 1, "kind": "x", "job": "", "epoch": 0, "step": Infinity}',
+        b'{"ts": 1, "kind": "x", "job": "", "epoch": 0, "step": ' + b"9" * 400 + b"}",
+        b'{"ts": 1, "kind": "x", "job": "", "epoch": "1"}',
+        b"\xff\xfe",
+    ],
     ids=["deep", "infinity", "400-digits", "string-epoch", "not-utf8"],
 )
 def test_a_hostile_line_is_skipped_and_counted(path: Path, line: bytes) -> None:

@@ -98,8 +98,14 @@ def test_leave_exits_with_its_code_and_loses_no_output(tmp_path: Path) -> None:
         print("after leave")
     """)
     log = tmp_path / "log"
-    done = subprocess.run([sys.executable, "-c", script, str(log)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(log)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
     assert (done.returncode, done.stdout) == (3, "unterminated"), done.stderr
     assert "logged before leaving" in log.read_text()
 
@@ -107,15 +113,26 @@ def test_leave_exits_with_its_code_and_loses_no_output(tmp_path: Path) -> None:
 #: The call signatures training scripts use (sbatch-examples/, docs/user-guide-training.md):
 #: (name, kind) of every parameter, in order. A trainer's internals may change; these may not.
 SIGNATURES = {
-    "ElasticTrainer": [("rt", "POSITIONAL_OR_KEYWORD"), ("model", "POSITIONAL_OR_KEYWORD"),
-                       ("optimizer", "POSITIONAL_OR_KEYWORD"), ("state", "KEYWORD_ONLY"),
-                       ("scheduler", "KEYWORD_ONLY"), ("backend", "KEYWORD_ONLY"),
-                       ("ddp_kwargs", "KEYWORD_ONLY"), ("start_step", "KEYWORD_ONLY"),
-                       ("rank_state", "KEYWORD_ONLY")],
-    "ShardedTrainer": [("rt", "POSITIONAL_OR_KEYWORD"), ("build", "POSITIONAL_OR_KEYWORD"),
-                       ("layout", "POSITIONAL_OR_KEYWORD"), ("backend", "KEYWORD_ONLY"),
-                       ("device_type", "KEYWORD_ONLY"), ("start_step", "KEYWORD_ONLY"),
-                       ("rank_state", "KEYWORD_ONLY")],
+    "ElasticTrainer": [
+        ("rt", "POSITIONAL_OR_KEYWORD"),
+        ("model", "POSITIONAL_OR_KEYWORD"),
+        ("optimizer", "POSITIONAL_OR_KEYWORD"),
+        ("state", "KEYWORD_ONLY"),
+        ("scheduler", "KEYWORD_ONLY"),
+        ("backend", "KEYWORD_ONLY"),
+        ("ddp_kwargs", "KEYWORD_ONLY"),
+        ("start_step", "KEYWORD_ONLY"),
+        ("rank_state", "KEYWORD_ONLY"),
+    ],
+    "ShardedTrainer": [
+        ("rt", "POSITIONAL_OR_KEYWORD"),
+        ("build", "POSITIONAL_OR_KEYWORD"),
+        ("layout", "POSITIONAL_OR_KEYWORD"),
+        ("backend", "KEYWORD_ONLY"),
+        ("device_type", "KEYWORD_ONLY"),
+        ("start_step", "KEYWORD_ONLY"),
+        ("rank_state", "KEYWORD_ONLY"),
+    ],
 }
 
 

@@ -14,8 +14,8 @@ from torchpass_slurm.cli import status as status_cli
 from torchpass_slurm.cli.app import run_cli
 from torchpass_slurm.cli.main import cli
 from torchpass_slurm.rundir.events import EventLog
-from torchpass_slurm.slurm.cli_backend import CliSlurm
 from torchpass_slurm.rundir.status import JobStatus, NodeStatus, write_status
+from torchpass_slurm.slurm.cli_backend import CliSlurm
 
 #: The fixed "now" of every test: 2025-03-04 05:06:07 UTC.
 NOW = 1741064767.0
@@ -37,8 +37,14 @@ def tp(*argv: str) -> Outcome:
 def job_status(run_dir: Path, **changes: object) -> JobStatus:
     """A job of 2 active nodes (4 ranks each), one failed and one spare, 1 s old."""
     fields: dict[str, object] = dict(
-        job_id="4242", run_dir=str(run_dir), state="running", epoch=2, world_size=8, updated=NOW - 1.0,
-        restarts=0, message="spare s1 replaced n2",
+        job_id="4242",
+        run_dir=str(run_dir),
+        state="running",
+        epoch=2,
+        world_size=8,
+        updated=NOW - 1.0,
+        restarts=0,
+        message="spare s1 replaced n2",
         nodes=(
             NodeStatus("n1", "active", (0, 1, 2, 3), "running", 120, NOW - 0.4),
             NodeStatus("s1", "active", (4, 5, 6, 7), "running", 119, NOW - 6.0),

@@ -57,8 +57,12 @@ def test_a_bug_is_one_line_naming_the_log_and_exits_70(cache: Path, monkeypatch:
     monkeypatch.setattr(hostlist_cli, "expand_expr", boom)
     result = tp("hostlist", "expand", "n[1-2]")
     log = the_log(cache, "tp")
-    assert result == (EXIT_INTERNAL, "", "error: internal error in tp (a bug, please report it): RuntimeError: boom; "
-                                         f"the traceback is in {log}\n")
+    assert result == (
+        EXIT_INTERNAL,
+        "",
+        "error: internal error in tp (a bug, please report it): RuntimeError: boom; "
+        f"the traceback is in {log}\n",
+    )
     text = log.read_text()
     assert text.startswith("tp: internal error at ")
     assert "command: tp hostlist expand n[1-2]\n" in text
@@ -74,8 +78,10 @@ def test_debug_shows_the_traceback_on_stderr(cache: Path, monkeypatch: pytest.Mo
     assert (result.code, result.out) == (EXIT_INTERNAL, "")
     assert shown.startswith("Traceback (most recent call last):\n")
     assert shown.endswith("RuntimeError: boom\nsecond line")
-    assert line == ("error: internal error in tp (a bug, please report it): RuntimeError: boom; "
-                    f"the traceback is in {log}")
+    assert line == (
+        "error: internal error in tp (a bug, please report it): RuntimeError: boom; "
+        f"the traceback is in {log}"
+    )
     assert log.read_text().endswith(shown + "\n")
 
 
@@ -85,9 +91,13 @@ def test_no_writable_folder_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(app_module, "log_folders", lambda: folders)
     monkeypatch.setattr(hostlist_cli, "expand_expr", boom)
     result = tp("hostlist", "expand", "n1")
-    assert result == (EXIT_INTERNAL, "", "error: internal error in tp (a bug, please report it): RuntimeError: boom; "
-                                         f"the traceback could not be written ({folders[0]}, {folders[1]}); "
-                                         "rerun with --debug\n")
+    assert result == (
+        EXIT_INTERNAL,
+        "",
+        "error: internal error in tp (a bug, please report it): RuntimeError: boom; "
+        f"the traceback could not be written ({folders[0]}, {folders[1]}); "
+        "rerun with --debug\n",
+    )
 
 
 def test_tp_submit_has_debug_too(cache: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -96,8 +106,12 @@ def test_tp_submit_has_debug_too(cache: Path, monkeypatch: pytest.MonkeyPatch, t
     monkeypatch.setattr(submit_cli, "make_submitter", boom)
     quiet = tp_submit("-N", "1", "train.sh")
     log = the_log(cache, "tp-submit")
-    assert quiet == (EXIT_INTERNAL, "", "error: internal error in tp-submit (a bug, please report it): "
-                                        f"RuntimeError: boom; the traceback is in {log}\n")
+    assert quiet == (
+        EXIT_INTERNAL,
+        "",
+        "error: internal error in tp-submit (a bug, please report it): "
+        f"RuntimeError: boom; the traceback is in {log}\n",
+    )
     log.unlink()
     loud = tp_submit("--debug", "-N", "1", "train.sh")
     assert loud.code == EXIT_INTERNAL and loud.err.startswith("Traceback (most recent call last):\n")

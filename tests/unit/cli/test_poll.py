@@ -23,7 +23,9 @@ def test_ctrl_c_ends_polling_quietly() -> None:
 
 
 def test_importing_the_commands_does_not_import_rich() -> None:
-    code = ("import sys, torchpass_slurm.cli.status, torchpass_slurm.cli.events; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('rich', 'torch')))")
+    code = (
+        "import sys, torchpass_slurm.cli.status, torchpass_slurm.cli.events; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('rich', 'torch')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out == "[]\n"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from torchpass_slurm.rundir.locate import find_run_dir, run_dir_from_comment, run_dir_of_job
 from torchpass_slurm.errors import RunDirError
+from torchpass_slurm.rundir.locate import find_run_dir, run_dir_from_comment, run_dir_of_job
 from torchpass_slurm.slurm import Job
 
 from .conftest import scontrol_job
@@ -39,7 +39,8 @@ def test_an_ordinary_folder_is_refused(tmp_path: Path) -> None:
     with pytest.raises(RunDirError) as info:
         find_run_dir(str(tmp_path))
     assert info.value.message == (
-        f"{tmp_path} is a folder but not a torchpass run folder (it has no status.json and no events.jsonl)")
+        f"{tmp_path} is a folder but not a torchpass run folder (it has no status.json and no events.jsonl)"
+    )
 
 
 def test_nothing_given() -> None:
@@ -70,7 +71,8 @@ def test_comment_naming_a_folder_this_host_lacks(tmp_path: Path) -> None:
     with pytest.raises(RunDirError) as info:
         run_dir_of_job(job)
     assert info.value.message == (
-        f"job 7's comment names the run folder {tmp_path}/gone, which does not exist here")
+        f"job 7's comment names the run folder {tmp_path}/gone, which does not exist here"
+    )
 
 
 def test_job_id_through_the_stdout_folder(run_dir: Path, slurm_job) -> None:  # type: ignore[no-untyped-def]
@@ -80,5 +82,5 @@ def test_job_id_through_the_stdout_folder(run_dir: Path, slurm_job) -> None:  # 
 
 def test_stdout_outside_a_run_folder_is_not_enough(tmp_path: Path) -> None:
     job = Job(job_id=1, name="j", state="RUNNING", std_out=f"{tmp_path}/slurm-1.out")
-    with pytest.raises(RunDirError, match="^job 1 was not submitted with tp-submit"):
+    with pytest.raises(RunDirError, match=r"^job 1 was not submitted with tp-submit"):
         run_dir_of_job(job)

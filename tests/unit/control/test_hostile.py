@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 import zmq
 
-from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.control import messages as m
 from torchpass_slurm.control.bodies import Report
 from torchpass_slurm.control.client import ControlClient
 from torchpass_slurm.control.security import derive_keys, make_curve_client
 from torchpass_slurm.control.server import ControlServer
 from torchpass_slurm.errors import ControlPlaneError
+from torchpass_slurm.rundir import events as ev
 
 SECRET = b"h" * 32
 WAIT = timedelta(seconds=5)
@@ -70,7 +70,8 @@ HOSTILE: dict[str, bytes] = {
     "-Infinity timestamp": envelope(ts="-Infinity"),
     "1e400": report('{"rank":0,"step":1e400}'),
     "resumed at step Infinity": envelope(
-        kind="report", body='{"event":"resumed","fields":{"rank":0,"step":Infinity,"epoch":1}}'),
+        kind="report", body='{"event":"resumed","fields":{"rank":0,"step":Infinity,"epoch":1}}'
+    ),
     "tasks: an object": node_beat('{"1":[1,1,7,"sync",120]}'),
     "tasks: null": node_beat("null"),
     "tasks: 1,025 entries": node_beat("[" + ",".join([TASK] * 1025) + "]"),
@@ -127,17 +128,23 @@ def test_nesting_up_to_the_bound_parses() -> None:
         m.decode(frames(report(nested(m.MAX_NESTING - 1))), SECRET, now=NOW)
 
 
-@pytest.mark.parametrize(("event", "fields"), [
-    ("resumed", {"rank": 0, "step": 3, "epoch": "1"}),
-    ("agreement", {"rank": 0, "committed_step": "7", "epoch": 1}),
-    ("first_step", {"rank": 0, "epoch": 1}),
-    ("no_such_event", {"rank": 0}),
-    ("agreement", {"rank": 0, "committed_step": 7, "epoch": 1, "node": "n9"}),  # node: set by the supervisor
-    ("group_rebuilt", {"rank": 0, "epoch": 1, "seconds": "fast"}),
-    ("live_ready", {"rank": "0"}),
-    ("collective_failed", {"rank": 0, "epoch": 1, "error": ["x"]}),
-    ("health_warning", {"rank": 0, "node": "n1", "status": 2, "summary": ""}),
-])
+@pytest.mark.parametrize(
+    ("event", "fields"),
+    [
+        ("resumed", {"rank": 0, "step": 3, "epoch": "1"}),
+        ("agreement", {"rank": 0, "committed_step": "7", "epoch": 1}),
+        ("first_step", {"rank": 0, "epoch": 1}),
+        ("no_such_event", {"rank": 0}),
+        (
+            "agreement",
+            {"rank": 0, "committed_step": 7, "epoch": 1, "node": "n9"},
+        ),  # node: set by the supervisor
+        ("group_rebuilt", {"rank": 0, "epoch": 1, "seconds": "fast"}),
+        ("live_ready", {"rank": "0"}),
+        ("collective_failed", {"rank": 0, "epoch": 1, "error": ["x"]}),
+        ("health_warning", {"rank": 0, "node": "n1", "status": 2, "summary": ""}),
+    ],
+)
 def test_a_report_with_a_mistyped_or_missing_field_is_refused(event: str, fields: dict[str, Any]) -> None:
     with pytest.raises(ControlPlaneError):
         Report.from_body({"event": event, "fields": fields})
@@ -171,7 +178,8 @@ def raw(server: ControlServer) -> Iterator[Callable[[list[bytes]], None]]:
 
 
 def test_the_real_server_drops_every_case_and_goes_on_serving(
-        server: ControlServer, raw: Callable[[list[bytes]], None]) -> None:
+    server: ControlServer, raw: Callable[[list[bytes]], None]
+) -> None:
     import time
 
     now = str(time.time())

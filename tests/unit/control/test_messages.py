@@ -35,9 +35,7 @@ def test_round_trip() -> None:
 
 def test_payload_is_canonical_json() -> None:
     frames = m.encode(hello(), SECRET)
-    assert frames[1] == json.dumps(
-        json.loads(frames[1]), sort_keys=True, separators=(",", ":")
-    ).encode()
+    assert frames[1] == json.dumps(json.loads(frames[1]), sort_keys=True, separators=(",", ":")).encode()
     assert len(frames[2]) == m.MAC_BYTES
 
 
@@ -127,8 +125,15 @@ def test_malformed_frames(frames: list[bytes], match: str) -> None:
 
 
 def _payload(**override: object) -> bytes:
-    obj = {"body": HELLO_BODY, "kind": "hello", "sender": "n1/0", "seq": 1, "to": "supervisor", "ts": NOW,
-           **override}
+    obj = {
+        "body": HELLO_BODY,
+        "kind": "hello",
+        "sender": "n1/0",
+        "seq": 1,
+        "to": "supervisor",
+        "ts": NOW,
+        **override,
+    }
     return json.dumps(obj).encode()
 
 

@@ -76,8 +76,9 @@ def test_an_oversize_copy_within_the_frame_is_still_refused() -> None:
         decoded(m.RANK_STATE, {**GOOD, "state": state})
 
 
-PROMOTE = Promote(rank=1, local_rank=0, world_size=4, master_addr="n1", master_port=29500, epoch=1,
-                  mode=PromoteMode.LIVE).to_body()
+PROMOTE = Promote(
+    rank=1, local_rank=0, world_size=4, master_addr="n1", master_port=29500, epoch=1, mode=PromoteMode.LIVE
+).to_body()
 
 
 def test_two_copies_of_the_largest_state_fit_in_one_promote() -> None:
@@ -110,18 +111,26 @@ def test_a_promote_with_hostile_copies_is_refused_on_both_ends(why: str, copies:
         Promote.from_body({**PROMOTE, "rank_state": copies})
     body = {**PROMOTE, "rank_state": copies}
     with pytest.raises(ControlPlaneError):
-        m.decode(frames(payload(m.PROMOTE, body, sender="supervisor").replace(b'"to":"supervisor"', b'"to":"n2/0"')),
-                 SECRET, now=NOW)
+        m.decode(
+            frames(
+                payload(m.PROMOTE, body, sender="supervisor").replace(b'"to":"supervisor"', b'"to":"n2/0"')
+            ),
+            SECRET,
+            now=NOW,
+        )
 
 
-@pytest.mark.parametrize("mesh", [
-    {"dims": ["shard"], "shape": [4], "replicate": "nope"},
-    {"dims": [["a"]], "shape": [4]},
-    {"dims": ["shard"], "shape": [0]},
-    {"dims": ["x"] * 9, "shape": [1] * 9},
-    {"dims": ["shard"], "shape": [4], "more": True},
-    ["shard"],
-])
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        {"dims": ["shard"], "shape": [4], "replicate": "nope"},
+        {"dims": [["a"]], "shape": [4]},
+        {"dims": ["shard"], "shape": [0]},
+        {"dims": ["x"] * 9, "shape": [1] * 9},
+        {"dims": ["shard"], "shape": [4], "more": True},
+        ["shard"],
+    ],
+)
 def test_a_live_ready_with_a_malformed_mesh_is_refused(mesh: Any) -> None:
     with pytest.raises(ControlPlaneError, match="mesh"):
         Report.from_body({"event": "live_ready", "fields": {"rank": 0, "step": 0, "epoch": 0, "mesh": mesh}})

@@ -24,11 +24,27 @@ from torchpass_slurm.rank import runtime
 
 SECRET = b"r" * 32
 FAST = SupervisorConfig(heartbeat_interval=0.01)
-ENV = {"TORCHPASS_CONTROL": "tcp://ctl:5555", "TORCHPASS_SECRET_FILE": "/run/secret",
-       "TORCHPASS_ROLE": "spare", "TORCHPASS_JOB_ID": "42", "TORCHPASS_NODE": "c2",
-       "TORCHPASS_EPOCH": "0", "TORCHPASS_NTASKS_PER_NODE": "1", "SLURM_LOCALID": "0"}
-PROMOTE = {"rank": 2, "local_rank": 0, "world_size": 4, "master_addr": "c1", "master_port": 29401,
-           "epoch": 4, "mode": "live", "store_addr": "c1", "store_port": 29400}
+ENV = {
+    "TORCHPASS_CONTROL": "tcp://ctl:5555",
+    "TORCHPASS_SECRET_FILE": "/run/secret",
+    "TORCHPASS_ROLE": "spare",
+    "TORCHPASS_JOB_ID": "42",
+    "TORCHPASS_NODE": "c2",
+    "TORCHPASS_EPOCH": "0",
+    "TORCHPASS_NTASKS_PER_NODE": "1",
+    "SLURM_LOCALID": "0",
+}
+PROMOTE = {
+    "rank": 2,
+    "local_rank": 0,
+    "world_size": 4,
+    "master_addr": "c1",
+    "master_port": 29401,
+    "epoch": 4,
+    "mode": "live",
+    "store_addr": "c1",
+    "store_port": 29400,
+}
 
 
 @dataclass
@@ -63,16 +79,30 @@ class SigningClient:
 
 def test_what_a_promoted_spare_sends_is_what_the_supervisor_reads() -> None:
     client = SigningClient()
-    promote = m.decode(m.encode(m.Message(Kind.PROMOTE, m.SUPERVISOR, 1, time.time(), PROMOTE, to="c2/0"),
-                                SECRET), SECRET, allowed=m.SUPERVISOR_KINDS)
+    promote = m.decode(
+        m.encode(m.Message(Kind.PROMOTE, m.SUPERVISOR, 1, time.time(), PROMOTE, to="c2/0"), SECRET),
+        SECRET,
+        allowed=m.SUPERVISOR_KINDS,
+    )
     client.inbox.put(Received(promote.kind, dict(promote.body), promote.typed))
     rt = runtime.init(dict(ENV), client_factory=lambda *_: client, config=FAST)
     assert rt.promotion is promote.typed  # the spare's one parse of its promote was decode's
     rt.report_step(5)
     rt.report(ReportKind.LIVE_READY, step=-1, epoch=rt.epoch)
     rt.report(ReportKind.GROUP_REBUILT, seconds=0.25, epoch=rt.epoch)
-    rt.report(ReportKind.TRANSFER_DONE, donor=0, receiver=2, step=5, bytes=10, seconds=0.5, retries=0,
-              resumed_from=0, epoch=rt.epoch, sealed=True, via="group")
+    rt.report(
+        ReportKind.TRANSFER_DONE,
+        donor=0,
+        receiver=2,
+        step=5,
+        bytes=10,
+        seconds=0.5,
+        retries=0,
+        resumed_from=0,
+        epoch=rt.epoch,
+        sealed=True,
+        via="group",
+    )
     rt.report(ReportKind.FIRST_STEP, step=6, epoch=rt.epoch)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
@@ -89,7 +119,11 @@ def test_what_a_promoted_spare_sends_is_what_the_supervisor_reads() -> None:
     hello = next(m.body_of(d, Hello) for d in client.decoded if d.kind == Kind.HELLO)
     assert (hello.rank, hello.epoch, hello.promoted) == (2, 4, True)
     reports = [Report.from_body(d.body) for d in client.decoded if d.kind == Kind.REPORT]
-    assert [r.kind for r in reports] == [ReportKind.LIVE_READY, ReportKind.GROUP_REBUILT,
-                                         ReportKind.TRANSFER_DONE, ReportKind.FIRST_STEP]
+    assert [r.kind for r in reports] == [
+        ReportKind.LIVE_READY,
+        ReportKind.GROUP_REBUILT,
+        ReportKind.TRANSFER_DONE,
+        ReportKind.FIRST_STEP,
+    ]
     assert all(r.rank == 2 and r.epoch == 4 for r in reports)
     assert reports[2].fields["via"] == "group" and reports[2].data.extra == {}

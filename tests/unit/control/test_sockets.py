@@ -73,8 +73,14 @@ def test_round_trip_both_ways(server: ControlServer, client: ControlClient) -> N
     sent = client.send(m.HELLO, HELLO_BODY)
     peer, got = poll_one(server)
     assert got == sent and server.peer_of("n1/0") == peer
-    promote = {"rank": 4, "local_rank": 0, "world_size": 8, "master_addr": "n1",
-               "master_port": 29500, "epoch": 1}
+    promote = {
+        "rank": 4,
+        "local_rank": 0,
+        "world_size": 8,
+        "master_addr": "n1",
+        "master_port": 29500,
+        "epoch": 1,
+    }
     reply = server.send(peer, m.PROMOTE, promote)
     back = client.recv(WAIT)
     assert back == reply and back.sender == SUPERVISOR_SENDER and back.body == promote
@@ -109,9 +115,7 @@ def test_forged_message_is_dropped_and_server_keeps_serving(
     assert_still_serving(server, client)
 
 
-def test_replayed_message_is_dropped(
-    server: ControlServer, client: ControlClient, raw: zmq.Socket
-) -> None:
+def test_replayed_message_is_dropped(server: ControlServer, client: ControlClient, raw: zmq.Socket) -> None:
     frames = m.encode(m.Message(m.HEARTBEAT, "n2/0", 1, time.time(), BEAT), SECRET)
     raw.send_multipart(frames)
     assert len(server.poll(WAIT)) == 1
@@ -176,7 +180,7 @@ def test_send_refuses_invalid_body(client: ControlClient) -> None:
 def test_client_is_usable_from_two_threads(server: ControlServer, client: ControlClient) -> None:
     """A heartbeat thread sends while the main thread waits in recv."""
     client.send(m.HELLO, HELLO_BODY)
-    peer, _ = poll_one(server)
+    _peer, _ = poll_one(server)
     beats = threading.Thread(target=lambda: [client.send(m.HEARTBEAT, BEAT) for _ in range(20)])
     beats.start()
     assert client.recv(timedelta(milliseconds=300)) is None
@@ -205,8 +209,12 @@ def test_a_port_in_use_names_which_server_and_leaves_no_gate_running(server: Con
     from torchpass_slurm.control.store_server import StoreServer
 
     before = {t.name for t in threading.enumerate()}
-    with pytest.raises(ControlPlaneError, match=rf"cannot bind the job's store to tcp://127.0.0.1:{server.port}"):
+    with pytest.raises(
+        ControlPlaneError, match=rf"cannot bind the job's store to tcp://127.0.0.1:{server.port}"
+    ):
         StoreServer(SECRET, "127.0.0.1", server.port)
-    with pytest.raises(ControlPlaneError, match=rf"cannot bind the control plane to tcp://127.0.0.1:{server.port}"):
+    with pytest.raises(
+        ControlPlaneError, match=rf"cannot bind the control plane to tcp://127.0.0.1:{server.port}"
+    ):
         ControlServer(SECRET, "127.0.0.1", server.port)
     assert {t.name for t in threading.enumerate()} <= before

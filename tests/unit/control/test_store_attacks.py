@@ -29,11 +29,11 @@ import zmq
 
 torch = pytest.importorskip("torch")
 
-from torchpass_slurm.supervisor.store_host import StoreHost  # noqa: E402
 from torchpass_slurm.control.secret import create_secret, load_secret  # noqa: E402
 from torchpass_slurm.control.security import derive_keys, make_curve_client  # noqa: E402
 from torchpass_slurm.rank.rendezvous import make_tcp_store  # noqa: E402
 from torchpass_slurm.rank.store import JobStore, StoreUnavailable  # noqa: E402
+from torchpass_slurm.supervisor.store_host import StoreHost  # noqa: E402
 
 WORLD = 3
 SHORT = datetime.timedelta(seconds=2)

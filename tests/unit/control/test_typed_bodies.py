@@ -35,8 +35,14 @@ OLD_BODY_SCHEMAS = {
     "bye": {},
     "report": {"event": _STR, "fields": (dict,)},
     "rank_state": {"rank": _INT, "step": _INT, "state": (dict,)},
-    "promote": {"rank": _INT, "local_rank": _INT, "world_size": _INT, "master_addr": _STR,
-                "master_port": _INT, "epoch": _INT},
+    "promote": {
+        "rank": _INT,
+        "local_rank": _INT,
+        "world_size": _INT,
+        "master_addr": _STR,
+        "master_port": _INT,
+        "epoch": _INT,
+    },
     "stop": {"reason": _STR},
     "reconfigure": {"epoch": _INT, "world_size": _INT, "store_addr": _STR, "store_port": _INT},
     "ack": {"seq": _INT},
@@ -50,21 +56,53 @@ def test_the_derived_required_fields_are_the_old_tables() -> None:
 
 # --- the wire, unchanged: each body written as the rank wrote it by hand ----------------------
 
-@pytest.mark.parametrize(("typed", "wire"), [
-    (Hello(node="n1", rank=3, local_rank=1, role="active", pid=42, world_size=4, epoch=0, promoted=False),
-     {"node": "n1", "rank": 3, "local_rank": 1, "role": "active", "pid": 42, "world_size": 4, "epoch": 0,
-      "promoted": False}),
-    (Heartbeat(rank=None, step=None, state="standby"), {"rank": None, "step": None, "state": "standby"}),
-    (Heartbeat(rank=1, step=7, state="sync", pid=99), {"rank": 1, "step": 7, "state": "sync", "pid": 99}),
-    (Heartbeat(rank=0, step=1, state="sync", tasks=(TaskBeat(1, 1, 7, "sync", 120, True),
-                                                     TaskBeat(2, None, None, "standby", 0))),
-     {"rank": 0, "step": 1, "state": "sync", "tasks": [[1, 1, 7, "sync", 120, True],
-                                                       [2, None, None, "standby", 0]]}),
-    (Heartbeat(rank=0, step=1, state="sync", tasks=()), {"rank": 0, "step": 1, "state": "sync", "tasks": []}),
-    (Standby(node="s1", local_rank=0, pid=5), {"node": "s1", "local_rank": 0, "pid": 5}),
-    (Bye(rank=None, step=None, state="done"), {"rank": None, "step": None, "state": "done"}),
-    (RankStateCopy(2, 8, {"loader": {"pos": 3}}), {"rank": 2, "step": 8, "state": {"loader": {"pos": 3}}}),
-])
+
+@pytest.mark.parametrize(
+    ("typed", "wire"),
+    [
+        (
+            Hello(
+                node="n1", rank=3, local_rank=1, role="active", pid=42, world_size=4, epoch=0, promoted=False
+            ),
+            {
+                "node": "n1",
+                "rank": 3,
+                "local_rank": 1,
+                "role": "active",
+                "pid": 42,
+                "world_size": 4,
+                "epoch": 0,
+                "promoted": False,
+            },
+        ),
+        (Heartbeat(rank=None, step=None, state="standby"), {"rank": None, "step": None, "state": "standby"}),
+        (Heartbeat(rank=1, step=7, state="sync", pid=99), {"rank": 1, "step": 7, "state": "sync", "pid": 99}),
+        (
+            Heartbeat(
+                rank=0,
+                step=1,
+                state="sync",
+                tasks=(TaskBeat(1, 1, 7, "sync", 120, True), TaskBeat(2, None, None, "standby", 0)),
+            ),
+            {
+                "rank": 0,
+                "step": 1,
+                "state": "sync",
+                "tasks": [[1, 1, 7, "sync", 120, True], [2, None, None, "standby", 0]],
+            },
+        ),
+        (
+            Heartbeat(rank=0, step=1, state="sync", tasks=()),
+            {"rank": 0, "step": 1, "state": "sync", "tasks": []},
+        ),
+        (Standby(node="s1", local_rank=0, pid=5), {"node": "s1", "local_rank": 0, "pid": 5}),
+        (Bye(rank=None, step=None, state="done"), {"rank": None, "step": None, "state": "done"}),
+        (
+            RankStateCopy(2, 8, {"loader": {"pos": 3}}),
+            {"rank": 2, "step": 8, "state": {"loader": {"pos": 3}}},
+        ),
+    ],
+)
 def test_a_rank_body_is_written_as_the_protocol_says_and_read_back(typed: Any, wire: dict[str, Any]) -> None:
     assert typed.to_body() == wire
     assert type(typed).from_body(wire) == typed
@@ -79,8 +117,20 @@ def test_a_report_is_written_as_runtime_report_wrote_it() -> None:
 
 
 def test_keys_a_kind_does_not_declare_reach_the_event_log_as_they_came() -> None:
-    report = Report.of("transfer_done", rank=3, donor=0, receiver=3, step=7, bytes=10, seconds=0.5,
-                       retries=0, resumed_from=0, epoch=1, sealed=True, newer_field={"x": [1]})
+    report = Report.of(
+        "transfer_done",
+        rank=3,
+        donor=0,
+        receiver=3,
+        step=7,
+        bytes=10,
+        seconds=0.5,
+        retries=0,
+        resumed_from=0,
+        epoch=1,
+        sealed=True,
+        newer_field={"x": [1]},
+    )
     assert isinstance(report.data, TransferDone) and report.data.sealed is True
     assert report.data.extra == {"newer_field": {"x": [1]}}
     assert report.fields["newer_field"] == {"x": [1]}
@@ -104,28 +154,47 @@ def test_every_report_kind_has_its_fields_class() -> None:
 
 # --- refusals ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("cls", "body", "said"), [
-    (Hello, {"node": "n1", "rank": 0, "local_rank": 0, "role": "active"}, "lacks the field 'pid'"),
-    (Hello, {"node": "n1", "rank": "0", "local_rank": 0, "role": "active", "pid": 1},
-     "'rank' is str; expected int or null"),
-    (Heartbeat, {"rank": 0, "step": True, "state": "x"}, "'step' is bool; expected int or null"),
-    (Heartbeat, {"rank": 0, "step": 1, "state": "x", "tasks": [[1, 1, 7, "sync"]]}, "task entry"),
-    (Heartbeat, {"rank": 0, "step": 1, "state": "x", "tasks": {}}, "'tasks' is dict; expected list"),
-    (Standby, {"node": 1, "local_rank": 0}, "'node' is int; expected str"),
-    (RankStateCopy, {"rank": 0, "step": -1, "state": {}}, "step tag is -1"),
-])
-def test_a_body_that_does_not_fit_is_refused_naming_the_field(cls: Any, body: dict[str, Any], said: str) -> None:
+
+@pytest.mark.parametrize(
+    ("cls", "body", "said"),
+    [
+        (Hello, {"node": "n1", "rank": 0, "local_rank": 0, "role": "active"}, "lacks the field 'pid'"),
+        (
+            Hello,
+            {"node": "n1", "rank": "0", "local_rank": 0, "role": "active", "pid": 1},
+            "'rank' is str; expected int or null",
+        ),
+        (Heartbeat, {"rank": 0, "step": True, "state": "x"}, "'step' is bool; expected int or null"),
+        (Heartbeat, {"rank": 0, "step": 1, "state": "x", "tasks": [[1, 1, 7, "sync"]]}, "task entry"),
+        (Heartbeat, {"rank": 0, "step": 1, "state": "x", "tasks": {}}, "'tasks' is dict; expected list"),
+        (Standby, {"node": 1, "local_rank": 0}, "'node' is int; expected str"),
+        (RankStateCopy, {"rank": 0, "step": -1, "state": {}}, "step tag is -1"),
+    ],
+)
+def test_a_body_that_does_not_fit_is_refused_naming_the_field(
+    cls: Any, body: dict[str, Any], said: str
+) -> None:
     with pytest.raises(ControlPlaneError, match=said):
         cls.from_body(body)
 
 
-@pytest.mark.parametrize(("event", "fields", "said"), [
-    ("agreement", {"rank": 0, "committed_step": 7, "epoch": 1, "donors": [0, "1"]},
-     "'donors' holds a str; expected a list of int"),
-    ("group_rebuilt", {"rank": 0, "epoch": 1, "step": "3"}, "'step' is str; expected int"),  # undeclared here
-    ("first_step", {"rank": 0, "step": 3, "epoch": 1, "job": "x"}, "reserved"),
-    ("transfer_done", {"rank": 0, "epoch": 1, "sealed": 1}, "'sealed' is int; expected bool"),
-])
+@pytest.mark.parametrize(
+    ("event", "fields", "said"),
+    [
+        (
+            "agreement",
+            {"rank": 0, "committed_step": 7, "epoch": 1, "donors": [0, "1"]},
+            "'donors' holds a str; expected a list of int",
+        ),
+        (
+            "group_rebuilt",
+            {"rank": 0, "epoch": 1, "step": "3"},
+            "'step' is str; expected int",
+        ),  # undeclared here
+        ("first_step", {"rank": 0, "step": 3, "epoch": 1, "job": "x"}, "reserved"),
+        ("transfer_done", {"rank": 0, "epoch": 1, "sealed": 1}, "'sealed' is int; expected bool"),
+    ],
+)
 def test_a_report_that_does_not_fit_is_refused(event: str, fields: dict[str, Any], said: str) -> None:
     with pytest.raises(ControlPlaneError, match=said):
         Report.of(event, **fields)
@@ -140,10 +209,21 @@ def test_decode_hands_over_the_typed_body_it_checked() -> None:
 
 
 def test_the_spare_reads_its_promote_once_with_defaults_for_what_an_old_supervisor_left_out() -> None:
-    body = {"rank": 1, "local_rank": 0, "world_size": 2, "master_addr": "n1", "master_port": 29500, "epoch": 1}
+    body = {
+        "rank": 1,
+        "local_rank": 0,
+        "world_size": 2,
+        "master_addr": "n1",
+        "master_port": 29500,
+        "epoch": 1,
+    }
     sent = m.Message(Kind.PROMOTE, m.SUPERVISOR, 1, time.time(), body, to="s1/0")
     got = m.decode(m.encode(sent, SECRET), SECRET, allowed=m.SUPERVISOR_KINDS)
     promote = m.body_of(got, Promote)
     assert promote is got.typed and promote.mode == PromoteMode.RESTART and promote.store_addr == ""
-    assert m.body_of(m.decode(m.encode(m.Message(Kind.STOP, m.SUPERVISOR, 2, time.time(), {"reason": "x"}),
-                                       SECRET), SECRET), Stop) == Stop("x")
+    assert m.body_of(
+        m.decode(
+            m.encode(m.Message(Kind.STOP, m.SUPERVISOR, 2, time.time(), {"reason": "x"}), SECRET), SECRET
+        ),
+        Stop,
+    ) == Stop("x")

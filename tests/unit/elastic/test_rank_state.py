@@ -19,8 +19,9 @@ from .loader import ShardLoader
 
 
 def runtime(role: Role = Role.ACTIVE, rank: int = 1) -> tuple[Runtime, list[tuple[str, dict[str, Any]]]]:
-    info = RankInfo(rank=rank, world_size=2, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
-                    master_port=29500)
+    info = RankInfo(
+        rank=rank, world_size=2, local_rank=0, local_world_size=1, master_addr="127.0.0.1", master_port=29500
+    )
     rt = Runtime(role, info, environ={})
     reports: list[tuple[str, dict[str, Any]]] = []
     rt.report = lambda event, **fields: reports.append((str(event), fields))  # type: ignore[method-assign]
@@ -52,8 +53,9 @@ def test_a_capture_is_sent_tagged_and_detached_from_the_live_object() -> None:
     loader.next_batch()
     rs.capture(1)
     loader.next_batch()
-    assert sent(rt) == [(Kind.RANK_STATE, {"rank": 1, "step": 1,
-                                           "state": {"data": {"epoch": 0, "position": 2, "seed": 0}}})]
+    assert sent(rt) == [
+        (Kind.RANK_STATE, {"rank": 1, "step": 1, "state": {"data": {"epoch": 0, "position": 2, "seed": 0}}})
+    ]
     assert rs.tag == 1
 
 
@@ -64,13 +66,16 @@ def test_a_plain_rank_keeps_its_copies_but_sends_nothing() -> None:
     assert sent(rt) == [] and rs.tag == 0
 
 
-@pytest.mark.parametrize(("value", "said"), [
-    (torch.zeros(2), "Tensor; expected a JSON value"),
-    ({1: "int key"}, "keys must be strings"),
-    (float("nan"), "must be finite"),
-    ({"x": b"bytes"}, "bytes; expected a JSON value"),
-    ("x" * (MAX_RANK_STATE_BYTES + 1), "the limit is"),
-])
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        (torch.zeros(2), "Tensor; expected a JSON value"),
+        ({1: "int key"}, "keys must be strings"),
+        (float("nan"), "must be finite"),
+        ({"x": b"bytes"}, "bytes; expected a JSON value"),
+        ("x" * (MAX_RANK_STATE_BYTES + 1), "the limit is"),
+    ],
+)
 def test_only_bounded_json_is_captured(value: Any, said: str) -> None:
     rt, _ = runtime()
     rs = RankState(rt, {"blob": Blob(value)})
@@ -118,8 +123,10 @@ def test_a_spare_loads_the_promotions_copy_of_the_agreed_step() -> None:
     rt, _ = runtime()
     loader = ShardLoader(1, 2)
     rs = RankState(rt, {"data": loader})
-    offered = [(6, {"data": {"epoch": 1, "position": 4, "seed": 0}}),
-               (7, {"data": {"epoch": 1, "position": 6, "seed": 0}})]
+    offered = [
+        (6, {"data": {"epoch": 1, "position": 4, "seed": 0}}),
+        (7, {"data": {"epoch": 1, "position": 6, "seed": 0}}),
+    ]
     rs.restore(6, offered)
     assert loader.state_dict() == {"epoch": 1, "position": 4, "seed": 0}
 
@@ -144,11 +151,15 @@ def test_the_rank_state_is_saved_beside_the_training_state_in_a_checkpoint(tmp_p
     for _ in range(3):
         loader.next_batch()
     model = torch.nn.Linear(2, 2)
-    state = {"train": checkpoint.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)),
-             RANK_STATE_KEY: RankState(rt, {"data": loader}).checkpoint_entry()}
+    state = {
+        "train": checkpoint.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+        RANK_STATE_KEY: RankState(rt, {"data": loader}).checkpoint_entry(),
+    }
     checkpoint.save(state, tmp_path, 3)
     fresh = ShardLoader(1, 2)
-    again = {"train": checkpoint.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)),
-             RANK_STATE_KEY: RankState(rt, {"data": fresh}).checkpoint_entry()}
+    again = {
+        "train": checkpoint.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+        RANK_STATE_KEY: RankState(rt, {"data": fresh}).checkpoint_entry(),
+    }
     assert checkpoint.load_latest(again, tmp_path) == 3
     assert fresh.state_dict() == loader.state_dict()

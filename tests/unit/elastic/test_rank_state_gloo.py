@@ -29,11 +29,11 @@ def _rank_main(rank: int, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from tests.unit.elastic.loader import ShardLoader
     from torchpass_slurm.control.bodies import Promote, PromoteMode
     from torchpass_slurm.rank.elastic import ElasticTrainer
     from torchpass_slurm.rank.rankstate import RankState
     from torchpass_slurm.rank.runtime import Runtime
-    from tests.unit.elastic.loader import ShardLoader
 
     env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     os.environ.update(env)
@@ -43,8 +43,14 @@ def _rank_main(rank: int, port: int, out: str) -> None:
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = ShardLoader(rank, 2, size=16, batch=3)
-    trainer = ElasticTrainer(rt, model, optimizer, state={"model": model}, rank_state={"data": loader},
-                             start_step=STEPS_DONE if rank == 0 else -1)
+    trainer = ElasticTrainer(
+        rt,
+        model,
+        optimizer,
+        state={"model": model},
+        rank_state={"data": loader},
+        start_step=STEPS_DONE if rank == 0 else -1,
+    )
     assert trainer.rank_state is not None
     if rank == 0:
         for step in range(STEPS_DONE + 1):  # the batch of step 3 is drawn too; that step fails
@@ -56,8 +62,16 @@ def _rank_main(rank: int, port: int, out: str) -> None:
         for step in range(STEPS_DONE + 1):
             lost_loader.next_batch()
             lost.capture(step + 1)
-        body = Promote(rank=1, local_rank=0, world_size=2, master_addr="127.0.0.1", master_port=port, epoch=1,
-                       mode=PromoteMode.LIVE, rank_state=tuple(lost._copies)).to_body()
+        body = Promote(
+            rank=1,
+            local_rank=0,
+            world_size=2,
+            master_addr="127.0.0.1",
+            master_port=port,
+            epoch=1,
+            mode=PromoteMode.LIVE,
+            rank_state=tuple(lost._copies),
+        ).to_body()
         rt.promotion = Promote.from_body(json.loads(json.dumps(body)))
         rt.is_spare_promoted = True
     rt.init_process_group("gloo", datetime.timedelta(seconds=30))
@@ -78,7 +92,8 @@ def uninterrupted(rank: int) -> dict[str, object]:
 
 
 def test_the_spare_resumes_the_lost_ranks_loader_where_it_was_at_the_agreed_step(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("USE_LIBUV", "0")
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[3]))
     port = free_port()

@@ -44,14 +44,23 @@ def _rank_main(rank: int, port: int, out: str) -> None:
             optimizer.zero_grad()
             model(torch.randn(4, 8)).pow(2).sum().backward()
             optimizer.step()
-    trainer = ElasticTrainer(rt, model, optimizer, state={"model": model, "optim": optimizer},
-                             start_step=5 if rank == 0 else -1)
+    trainer = ElasticTrainer(
+        rt, model, optimizer, state={"model": model, "optim": optimizer}, start_step=5 if rank == 0 else -1
+    )
     rt.init_process_group("gloo", datetime.timedelta(seconds=30))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer._sync_state()
-    torch.save({"step": trainer.step, "received": trainer.received_state, "before": before,
-                "model": model.state_dict(), "optim": optimizer.state_dict(), "reports": reports},
-               Path(out) / f"rank{rank}.pt")
+    torch.save(
+        {
+            "step": trainer.step,
+            "received": trainer.received_state,
+            "before": before,
+            "model": model.state_dict(),
+            "optim": optimizer.state_dict(),
+            "reports": reports,
+        },
+        Path(out) / f"rank{rank}.pt",
+    )
     dist.destroy_process_group()
 
 
@@ -67,14 +76,15 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
             assert_same(a[k], b[k], f"{path}/{k}")
     elif isinstance(a, (list, tuple)):
         assert isinstance(b, (list, tuple)) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}/{i}")
     else:
         assert a == b, path
 
 
 def test_a_rank_behind_receives_the_state_of_the_rank_at_the_agreed_step(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("USE_LIBUV", "0")  # the TCPStore of env://, inherited by the ranks
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
@@ -96,10 +106,17 @@ def test_a_rank_behind_receives_the_state_of_the_rank_at_the_agreed_step(
     assert_same(r0["model"], r1["model"])
     assert_same(r0["optim"], r1["optim"])
     assert r0["optim"]["state"], "rank 0's AdamW state is not empty"
-    assert r0["reports"] == [("agreement", {"committed_step": 5, "receivers": [1], "donors": [0],
-                                            "epoch": 0})]
+    assert r0["reports"] == [
+        ("agreement", {"committed_step": 5, "receivers": [1], "donors": [0], "epoch": 0})
+    ]
     ((event, fields),) = r1["reports"]
     assert event == "transfer_done"
     assert {k: fields[k] for k in ("donor", "receiver", "step", "retries", "resumed_from", "epoch")} == {
-        "donor": 0, "receiver": 1, "step": 5, "retries": 0, "resumed_from": 0, "epoch": 0}
+        "donor": 0,
+        "receiver": 1,
+        "step": 5,
+        "retries": 0,
+        "resumed_from": 0,
+        "epoch": 0,
+    }
     assert fields["bytes"] > 0

@@ -20,38 +20,59 @@ from torchpass_slurm.rank.runtime import RankInfo, Role, Runtime
 
 from ..gloo_ranks import FakeClient, loopback_store
 
-GLOO_RESET = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
-                          "Connection closed by peer [10.0.0.2]:41234")
+GLOO_RESET = RuntimeError(
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:41234"
+)
 
 
-@pytest.mark.parametrize("exc", [
-    GLOO_RESET,
-    RuntimeError("NCCL communicator was aborted on rank 1"),
-    RuntimeError("[Rank 0]: Ranks 2 failed to pass monitoredBarrier in 15000 ms"
-                 " (Socket Timeout)"),
-    # a survivor in the handover barrier when the donor, rank 0, died mid-stream (issue 24)
-    RuntimeError("Rank 2 successfully reached monitoredBarrier, but received errors while waiting"
-                 " for send/recv from rank 0. Please check rank 0 logs for faulty rank.\n"
-                 " Original exception: \n[../third_party/gloo/gloo/transport/tcp/pair.cc:534]"
-                 " Connection closed by peer [172.29.77.12]:41786"),
-    RuntimeError("Rank 1 successfully reached monitoredBarrier, but received errors while waiting"
-                 " for send/recv from rank 0. Please check rank 0 logs for faulty rank."),
-    TransferError("receiving chunk 3 from rank 0: the peer closed the connection"),
-    TransferTimeout("recv of 4096 bytes did not finish within 0:02:00"),
-    RendezvousTimeout("rendezvous of epoch 2 timed out after 0:02:00: 2 of 3 ranks arrived"),
-    dist.DistError("store client disconnected"),
-], ids=["gloo", "nccl", "barrier-timeout", "barrier-donor-died", "barrier-donor-died-bare", "transfer",
-        "transfer-timeout", "rendezvous", "dist-error"])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        GLOO_RESET,
+        RuntimeError("NCCL communicator was aborted on rank 1"),
+        RuntimeError("[Rank 0]: Ranks 2 failed to pass monitoredBarrier in 15000 ms (Socket Timeout)"),
+        # a survivor in the handover barrier when the donor, rank 0, died mid-stream (issue 24)
+        RuntimeError(
+            "Rank 2 successfully reached monitoredBarrier, but received errors while waiting"
+            " for send/recv from rank 0. Please check rank 0 logs for faulty rank.\n"
+            " Original exception: \n[../third_party/gloo/gloo/transport/tcp/pair.cc:534]"
+            " Connection closed by peer [172.29.77.12]:41786"
+        ),
+        RuntimeError(
+            "Rank 1 successfully reached monitoredBarrier, but received errors while waiting"
+            " for send/recv from rank 0. Please check rank 0 logs for faulty rank."
+        ),
+        TransferError("receiving chunk 3 from rank 0: the peer closed the connection"),
+        TransferTimeout("recv of 4096 bytes did not finish within 0:02:00"),
+        RendezvousTimeout("rendezvous of epoch 2 timed out after 0:02:00: 2 of 3 ranks arrived"),
+        dist.DistError("store client disconnected"),
+    ],
+    ids=[
+        "gloo",
+        "nccl",
+        "barrier-timeout",
+        "barrier-donor-died",
+        "barrier-donor-died-bare",
+        "transfer",
+        "transfer-timeout",
+        "rendezvous",
+        "dist-error",
+    ],
+)
 def test_a_failed_collective_is_a_comm_error(exc: BaseException) -> None:
     assert is_comm_error(exc)
 
 
-@pytest.mark.parametrize("exc", [
-    ValueError("connection reset by peer"),  # only RuntimeErrors are judged by their text
-    RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x16 and 32x4)"),
-    RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn"),
-    KeyError("model"),
-], ids=["value-error", "shape", "no-grad", "key-error"])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ValueError("connection reset by peer"),  # only RuntimeErrors are judged by their text
+        RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x16 and 32x4)"),
+        RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn"),
+        KeyError("model"),
+    ],
+    ids=["value-error", "shape", "no-grad", "key-error"],
+)
 def test_a_bug_is_not_a_comm_error(exc: BaseException) -> None:
     assert not is_comm_error(exc)
 
@@ -71,8 +92,9 @@ def plain() -> Runtime:
 
 
 def active(client: FakeClient) -> Runtime:
-    info = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr=None,
-                    master_port=None)
+    info = RankInfo(
+        rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr=None, master_port=None
+    )
     return Runtime(Role.ACTIVE, info, environ={}, client=client)
 
 
@@ -102,6 +124,7 @@ def fails_once(at: int, calls: list[int] | None = None) -> Callable[[int, nn.Mod
         if step == at and pending:
             raise pending.pop()
         return loss
+
     return train_step
 
 
@@ -134,7 +157,7 @@ def test_fit_resumes_at_start_step_and_steps_the_scheduler_per_commit() -> None:
 
     assert calls == [3, 4]
     assert optimizer.steps == 2
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 2)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
 
 
 def test_a_failure_before_the_commit_applies_nothing() -> None:
@@ -191,7 +214,8 @@ def loss_of_step(step: int, m: nn.Module) -> torch.Tensor:
 
 
 def test_an_active_rank_without_a_reconfigure_raises_the_original_error(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(elastic, "RECONFIGURE_TIMEOUT", datetime.timedelta(seconds=0.05))
     monkeypatch.setenv("TORCHPASS_SPARE_WAIT", "0")  # no hold for a spare to wait through either
     client = FakeClient()
@@ -218,8 +242,7 @@ def store() -> Iterator[int]:
 def reconfigure(rt: Runtime, store: int, *epochs: int) -> None:
     """Queue the supervisor's reconfigure of each epoch, as the heartbeat thread does."""
     for epoch in epochs:
-        rt.reconfigures.put(Reconfigure(epoch=epoch, world_size=1, store_addr="127.0.0.1",
-                                        store_port=store))
+        rt.reconfigures.put(Reconfigure(epoch=epoch, world_size=1, store_addr="127.0.0.1", store_port=store))
 
 
 def test_an_active_rank_rejoins_the_reconfigured_epoch_and_retries_the_step(store: int) -> None:
@@ -235,17 +258,27 @@ def test_an_active_rank_rejoins_the_reconfigured_epoch_and_retries_the_step(stor
     assert (optimizer.steps, trainer.step, trainer.migrations) == (4, 4, 1)
     assert (rt.epoch, rt.info.store_port, dist.get_world_size()) == (1, store, 1)
     events = client.reports()
-    assert [e for e, _ in events] == ["live_ready", "collective_failed", "group_rebuilt",
-                                      "agreement", "first_step"]
+    assert [e for e, _ in events] == [
+        "live_ready",
+        "collective_failed",
+        "group_rebuilt",
+        "agreement",
+        "first_step",
+    ]
     fields = dict(events)
     assert (fields["collective_failed"]["epoch"], fields["group_rebuilt"]["epoch"]) == (0, 1)
     assert {k: fields["agreement"][k] for k in ("committed_step", "receivers", "donors", "epoch")} == {
-        "committed_step": 2, "receivers": [], "donors": [0], "epoch": 1}
+        "committed_step": 2,
+        "receivers": [],
+        "donors": [0],
+        "epoch": 1,
+    }
     assert (fields["first_step"]["step"], fields["first_step"]["epoch"]) == (3, 1)
 
 
 def test_a_recovery_that_fails_again_waits_for_the_next_epoch(
-        store: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    store: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     client = FakeClient()
     rt = active(client)
     trainer, _, optimizer = trainer_for(rt)
@@ -256,13 +289,20 @@ def test_a_recovery_that_fails_again_waits_for_the_next_epoch(
         if message.epoch == 1:  # another rank died while this one rejoined
             raise RendezvousTimeout("rendezvous of epoch 1 timed out after 0:02:00: 1 of 2 ranks arrived")
         real_rejoin(message, *args)
+
     monkeypatch.setattr(rt, "rejoin", rejoin)
 
     trainer.fit(fails_once(at=1), steps=3)
 
     assert (optimizer.steps, trainer.step, trainer.migrations, rt.epoch) == (3, 3, 1, 2)
-    assert [e for e, _ in client.reports()] == ["live_ready", "collective_failed", "collective_failed",
-                                                "group_rebuilt", "agreement", "first_step"]
+    assert [e for e, _ in client.reports()] == [
+        "live_ready",
+        "collective_failed",
+        "collective_failed",
+        "group_rebuilt",
+        "agreement",
+        "first_step",
+    ]
     second = client.reports()[2][1]
     assert "rendezvous of epoch 1 timed out" in second["error"]
 
@@ -274,6 +314,7 @@ def test_a_bug_during_the_recovery_is_raised(store: int, monkeypatch: pytest.Mon
 
     def rejoin(*args: Any) -> None:
         raise KeyError("store_port")
+
     monkeypatch.setattr(rt, "rejoin", rejoin)
 
     with pytest.raises(KeyError):
@@ -290,11 +331,15 @@ def test_a_recovery_on_a_backend_other_than_plain_gloo_completes(store: int) -> 
     assert (optimizer.steps, trainer.migrations, rt.epoch) == (3, 1, 1)
 
 
-@pytest.mark.parametrize("exc", [
-    RuntimeError("timeout while reading shard 7 of the dataset"),
-    RuntimeError("connection to the metrics server closed"),
-    RuntimeError("socket error in my data loader (reset by peer)"),
-], ids=["timeout", "connection", "socket"])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeError("timeout while reading shard 7 of the dataset"),
+        RuntimeError("connection to the metrics server closed"),
+        RuntimeError("socket error in my data loader (reset by peer)"),
+    ],
+    ids=["timeout", "connection", "socket"],
+)
 def test_a_user_error_that_mentions_the_network_is_not_a_comm_error(exc: BaseException) -> None:
     """Only torch.distributed's own errors start a recovery, never words in a user's message."""
     assert not is_comm_error(exc)
@@ -303,18 +348,20 @@ def test_a_user_error_that_mentions_the_network_is_not_a_comm_error(exc: BaseExc
 def test_torch_gloo_errors_are_comm_errors() -> None:
     """The texts torch 2.13's gloo raised here for a killed and for a hung peer, and the one
     Debian's torch 2.6 raised on the dev cluster in a survivor that waited on a powered-off node."""
-    for text in ("Application timeout caused pair closure",
-                 "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
-                 "[127.0.0.1]:54679: Connection reset by peer.",
-                 "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
-                 "waiting 3000ms for recv operation to complete"):
+    for text in (
+        "Application timeout caused pair closure",
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+        "[127.0.0.1]:54679: Connection reset by peer.",
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+        "waiting 3000ms for recv operation to complete",
+    ):
         assert is_comm_error(RuntimeError(text))
 
 
 def _raised_from(error: BaseException, cause: BaseException) -> BaseException:
     try:
         raise error from cause
-    except BaseException as exc:  # noqa: BLE001 - the test hands back what it raised
+    except BaseException as exc:
         return exc
 
 
@@ -322,9 +369,9 @@ def _raised_while_handling(error: BaseException, first: BaseException) -> BaseEx
     try:
         try:
             raise first
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             raise error  # noqa: B904 - an implicit context on purpose
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         return exc
 
 
@@ -337,7 +384,6 @@ def test_an_error_raised_from_a_failed_collective_is_a_comm_error() -> None:
     assert not is_comm_error(_raised_from(RuntimeError("a bug"), ValueError("another bug")))
     # an error raised while handling a failed collective (not from it) is the handler's own
     assert not is_comm_error(_raised_while_handling(KeyError("model"), GLOO_RESET))
-
 
 
 class PhaseClient(FakeClient):
@@ -372,12 +418,15 @@ def test_the_heartbeat_phase_follows_the_loop(store: int) -> None:
 
     assert seen == [("compute", 0), ("hook", 1), ("compute", 1), ("compute", 1), ("hook", 2)]
     assert (client.phase_at["collective_failed"], client.phase_at["group_rebuilt"]) == (
-        "recovering", "recovering")
+        "recovering",
+        "recovering",
+    )
     assert rt.state == "running"
 
 
 def test_a_rank_waits_for_its_reconfigure_as_long_as_the_supervisor_may_hold_for_a_spare(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("TORCHPASS_SPARE_WAIT", "45")
     assert elastic.reconfigure_timeout() == elastic.RECONFIGURE_TIMEOUT + datetime.timedelta(seconds=45)
     monkeypatch.setenv("TORCHPASS_SPARE_WAIT", "0")

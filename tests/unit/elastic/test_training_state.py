@@ -100,19 +100,26 @@ class ReportingRuntime:
         self.reports.append((str(kind), fields))
 
 
-@pytest.mark.parametrize(("leaving_donor", "report"), [
-    (False, {"committed_step": 4, "receivers": [], "donors": [0], "epoch": 0}),
-    (True, {"committed_step": 4, "receivers": [], "donors": [], "leaving": [0], "epoch": 0}),
-])
+@pytest.mark.parametrize(
+    ("leaving_donor", "report"),
+    [
+        (False, {"committed_step": 4, "receivers": [], "donors": [0], "epoch": 0}),
+        (True, {"committed_step": 4, "receivers": [], "donors": [], "leaving": [0], "epoch": 0}),
+    ],
+)
 def test_the_leave_set_reaches_the_agreement_only_where_the_state_serves_itself_on_leaving(
-        leaving_donor: bool, report: dict[str, Any]) -> None:
+    leaving_donor: bool, report: dict[str, Any]
+) -> None:
     """A DDP drain's leaving rank just leaves (a replica serves the spare): the handover drops
     the leave set before the all-gather; a sharded one's is agreed on (one real gloo rank)."""
     import torch.distributed as dist
 
     layout = MeshLayout(("shard",), (1,), replicate=None)
-    training = (ShardedState(StubRuntime(), lambda mesh: (None, None), layout)  # type: ignore[arg-type, return-value]
-                if leaving_donor else ReplicatedState(nn.Linear(2, 2), None, {}))  # type: ignore[arg-type]
+    training = (
+        ShardedState(StubRuntime(), lambda mesh: (None, None), layout)  # type: ignore[arg-type, return-value]
+        if leaving_donor
+        else ReplicatedState(nn.Linear(2, 2), None, {})
+    )  # type: ignore[arg-type]
     rt = ReportingRuntime()
     with loopback_store() as port:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))

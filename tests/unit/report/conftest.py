@@ -33,13 +33,31 @@ class JobLog:
     def detected(self, t: float, kind: str, node: str, role: str = "active", **fields: Any) -> JobLog:
         """A detection as the supervisor writes it (``_record``)."""
         fields.setdefault("exit_code", 137 if kind == "step_exited" else None)
-        return self.at(t, kind, node=node, role=role, detector=fields.pop("detector", kind),
-                       detail=fields.pop("detail", f"{node} failed"), **fields)
+        return self.at(
+            t,
+            kind,
+            node=node,
+            role=role,
+            detector=fields.pop("detector", kind),
+            detail=fields.pop("detail", f"{node} failed"),
+            **fields,
+        )
 
-    def migration(self, t: float, epoch: int, failed: list[str], spares: list[str], *,
-                  last_heartbeat: float | None, lost: int = 0, recomputed: int = 0,
-                  resolution: str = "live", skip: tuple[str, ...] = (), reason: str | None = None,
-                  held_s: float | None = None) -> JobLog:
+    def migration(
+        self,
+        t: float,
+        epoch: int,
+        failed: list[str],
+        spares: list[str],
+        *,
+        last_heartbeat: float | None,
+        lost: int = 0,
+        recomputed: int = 0,
+        resolution: str = "live",
+        skip: tuple[str, ...] = (),
+        reason: str | None = None,
+        held_s: float | None = None,
+    ) -> JobLog:
         """A live migration starting ``t`` s in: decide 0.5, rebuild 0.75 (two ranks), agree 0.25,
         transfer 1.0 (two receivers), first step 0.5; kinds in ``skip`` are left out.
 
@@ -134,8 +152,10 @@ def checkpoint_restart(log: JobLog) -> JobLog:
 ECC = "GPU 2: 12 new correctable ECC errors"
 PRE_EMPTIVE = f"torchpass: pre-emptive: WARNING: {ECC}"
 #: What the supervisor says when it cannot move a drained node's ranks.
-NO_MIGRATION = ("no live migration possible (no spare, or a rank not on the elastic loop): the node drains "
-                "when the job ends")
+NO_MIGRATION = (
+    "no live migration possible (no spare, or a rank not on the elastic loop): the node drains "
+    "when the job ends"
+)
 
 
 def every_class(log: JobLog) -> JobLog:

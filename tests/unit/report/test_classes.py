@@ -15,8 +15,15 @@ from .test_analyse import report_of
 
 def moved(decision: float) -> Phases:
     """The phases of a drain moved by conftest's ``migration``, ``decision`` s after its mark."""
-    return Phases(detection=None, decision=decision, rebuild=0.75, agreement=0.25, transfer=1.0,
-                  first_step=0.5, total=decision + 2.5)
+    return Phases(
+        detection=None,
+        decision=decision,
+        rebuild=0.75,
+        agreement=0.25,
+        transfer=1.0,
+        first_step=0.5,
+        total=decision + 2.5,
+    )
 
 
 def test_an_admin_drain_is_a_planned_migration(job_log: Any) -> None:
@@ -26,9 +33,20 @@ def test_an_admin_drain_is_a_planned_migration(job_log: Any) -> None:
     log.migration(21.0, 2, ["n2"], ["s1"], last_heartbeat=None, reason="firmware update")
     (fault,) = report_of(log).faults
     assert (fault.fault_class, fault.node, fault.kind, fault.detector, fault.detail, fault.exit_code) == (
-        "planned", "n2", "drain_seen", "drain", "firmware update", None)
+        "planned",
+        "n2",
+        "drain_seen",
+        "drain",
+        "firmware update",
+        None,
+    )
     assert (fault.ts, fault.recovery, fault.resolution, fault.lost_steps, fault.recomputed_steps) == (
-        T0 + 20.0, 1, "live", 0, 0)
+        T0 + 20.0,
+        1,
+        "live",
+        0,
+        0,
+    )
     assert fault.phases == moved(decision=1.0)
 
 
@@ -40,21 +58,33 @@ def test_a_drain_on_a_health_warning_is_pre_emptive_from_the_warning_on(job_log:
     log.migration(33.5, 2, ["n2"], ["s1"], last_heartbeat=None, reason=PRE_EMPTIVE)
     (fault,) = report_of(log).faults
     assert (fault.fault_class, fault.kind, fault.detector, fault.detail, fault.ts) == (
-        "pre-emptive", "health_warning", "health", PRE_EMPTIVE, T0 + 30.0)
+        "pre-emptive",
+        "health_warning",
+        "health",
+        PRE_EMPTIVE,
+        T0 + 30.0,
+    )
     assert fault.phases == moved(decision=3.5)
 
 
-@pytest.mark.parametrize(("warned_at", "drained_at", "expected"), [
-    (5.0, 8.0, ("pre-emptive", "health", 5.0)),  # an admin's drain of a node that had warned
-    (8.0, 5.0, ("planned", "drain", 5.0)),  # a warning after the drain is not what caused it
-])
+@pytest.mark.parametrize(
+    ("warned_at", "drained_at", "expected"),
+    [
+        (5.0, 8.0, ("pre-emptive", "health", 5.0)),  # an admin's drain of a node that had warned
+        (8.0, 5.0, ("planned", "drain", 5.0)),  # a warning after the drain is not what caused it
+    ],
+)
 def test_a_health_warning_before_the_drain_makes_it_pre_emptive(
-        job_log: Any, warned_at: float, drained_at: float, expected: tuple[str, str, float]) -> None:
+    job_log: Any, warned_at: float, drained_at: float, expected: tuple[str, str, float]
+) -> None:
     log = job_log()
     log.started(["n1", "n2"], ["s1"])
-    for t, kind, fields in sorted([
+    for t, kind, fields in sorted(
+        [
             (warned_at, "health_warning", dict(node="n2", status="CRITICAL", summary="GPU 0 at 92 C")),
-            (drained_at, "drain_seen", dict(node="n2", reason="ops: hot GPU"))]):
+            (drained_at, "drain_seen", dict(node="n2", reason="ops: hot GPU")),
+        ]
+    ):
         log.at(t, kind, **fields)
     log.migration(8.5, 2, ["n2"], ["s1"], last_heartbeat=None, reason="ops: hot GPU")
     (fault,) = report_of(log).faults
@@ -71,11 +101,22 @@ def test_a_deferred_drain_loses_nothing(job_log: Any) -> None:
     report = report_of(log)
     (fault,) = report.faults
     assert (fault.fault_class, fault.kind, fault.detector, fault.ts, fault.detail) == (
-        "planned", "drain_seen", "drain", T0 + 10.0, f"maintenance (deferred: {NO_MIGRATION})")
-    assert (fault.recovery, fault.resolution, fault.lost_steps, fault.recomputed_steps) == (1, "deferred", 0, 0)
+        "planned",
+        "drain_seen",
+        "drain",
+        T0 + 10.0,
+        f"maintenance (deferred: {NO_MIGRATION})",
+    )
+    assert (fault.recovery, fault.resolution, fault.lost_steps, fault.recomputed_steps) == (
+        1,
+        "deferred",
+        0,
+        0,
+    )
     assert fault.phases == Phases()  # no migration: nothing to measure
     assert summary_line(summarise([report])) == (
-        "1 of 1 fault deferred to the end of the job with 0 committed steps lost (100% with no lost progress)")
+        "1 of 1 fault deferred to the end of the job with 0 committed steps lost (100% with no lost progress)"
+    )
 
 
 def test_the_jobs_own_drain_reason_makes_it_pre_emptive(job_log: Any) -> None:
@@ -86,7 +127,11 @@ def test_the_jobs_own_drain_reason_makes_it_pre_emptive(job_log: Any) -> None:
     log.at(5.5, "drain_deferred", node="n2", reason=PRE_EMPTIVE, detail=NO_MIGRATION)
     (fault,) = report_of(log).faults
     assert (fault.fault_class, fault.detector, fault.ts, fault.resolution) == (
-        "pre-emptive", "drain", T0 + 5.0, "deferred")
+        "pre-emptive",
+        "drain",
+        T0 + 5.0,
+        "deferred",
+    )
 
 
 def test_a_planned_migration_without_its_drain_seen_has_no_decision(job_log: Any) -> None:
@@ -125,22 +170,45 @@ def test_an_unplanned_fault_during_a_planned_migration_joins_it(job_log: Any) ->
     log = job_log()
     log.started(["n1", "n2", "n3"], ["s1", "s2"])
     log.at(20.0, "drain_seen", node="n2", reason="firmware update")
-    log.at(21.0, "migration_started", epoch=2, failed=["n2"], spares=["s1"], last_heartbeat=None,
-           mode="planned", reason="firmware update")
+    log.at(
+        21.0,
+        "migration_started",
+        epoch=2,
+        failed=["n2"],
+        spares=["s1"],
+        last_heartbeat=None,
+        mode="planned",
+        reason="firmware update",
+    )
     log.detected(22.0, "heartbeat_lost", "n3")
-    log.at(22.5, "migration_started", epoch=3, failed=["n3"], spares=["s2"], last_heartbeat=T0 + 19.0, mode="live")
+    log.at(
+        22.5,
+        "migration_started",
+        epoch=3,
+        failed=["n3"],
+        spares=["s2"],
+        last_heartbeat=T0 + 19.0,
+        mode="live",
+    )
     log.at(23.0, "group_rebuilt", epoch=3, seconds=0.5)
     log.at(23.5, "agreement", epoch=3, committed_step=100)
     log.at(24.0, "transfer_done", epoch=3, donor=0, receiver=4, bytes=1024, seconds=0.5, retries=0)
     log.at(24.5, "first_step", epoch=3, step=101)
-    log.at(24.6, "migration_done", epoch=3, resolution="live", lost_steps=0, recomputed_steps=1, planned=False)
+    log.at(
+        24.6, "migration_done", epoch=3, resolution="live", lost_steps=0, recomputed_steps=1, planned=False
+    )
     report = report_of(log)
-    assert [(f.fault_class, f.node, f.recovery, f.resolution, f.lost_steps, f.recomputed_steps)
-            for f in report.faults] == [("planned", "n2", 1, "live", 0, 1), ("unplanned", "n3", 1, "live", 0, 1)]
-    assert report.faults[0].phases == Phases(decision=1.0, rebuild=2.0, agreement=0.5, transfer=0.5,
-                                             first_step=0.5, total=4.5)
+    assert [
+        (f.fault_class, f.node, f.recovery, f.resolution, f.lost_steps, f.recomputed_steps)
+        for f in report.faults
+    ] == [("planned", "n2", 1, "live", 0, 1), ("unplanned", "n3", 1, "live", 0, 1)]
+    assert report.faults[0].phases == Phases(
+        decision=1.0, rebuild=2.0, agreement=0.5, transfer=0.5, first_step=0.5, total=4.5
+    )
     # n3's heartbeats were lost after the recovery's start: it has no detection and no decision
-    assert report.faults[1].phases == Phases(rebuild=2.0, agreement=0.5, transfer=0.5, first_step=0.5, total=2.5)
+    assert report.faults[1].phases == Phases(
+        rebuild=2.0, agreement=0.5, transfer=0.5, first_step=0.5, total=2.5
+    )
     summary = summarise([report])
     assert summary.by_class == {
         "planned": ClassSummary(Totals(faults=1, recoveries=1, recomputed_steps=1), 1, {"live": 1}),
@@ -151,26 +219,43 @@ def test_an_unplanned_fault_during_a_planned_migration_joins_it(job_log: Any) ->
 
 def test_one_fault_of_each_class(job_log: Any) -> None:
     report = report_of(every_class(job_log()))
-    assert [(f.fault_class, f.node, f.kind, f.detector, f.ts - T0, f.recovery, f.resolution, f.lost_steps,
-             f.recomputed_steps) for f in report.faults] == [
+    assert [
+        (
+            f.fault_class,
+            f.node,
+            f.kind,
+            f.detector,
+            f.ts - T0,
+            f.recovery,
+            f.resolution,
+            f.lost_steps,
+            f.recomputed_steps,
+        )
+        for f in report.faults
+    ] == [
         ("unplanned", "n2", "heartbeat_lost", "heartbeat_lost", 10.0, 1, "live", 0, 1),
         ("pre-emptive", "n3", "health_warning", "health", 30.0, 2, "live", 0, 0),
         ("planned", "n1", "drain_seen", "drain", 50.0, 3, "deferred", 0, 0),
     ]
     assert [f.phases for f in report.faults] == [
-        Phases(detection=3.0, decision=0.5, rebuild=0.75, agreement=0.25, transfer=1.0, first_step=0.5, total=3.0),
+        Phases(
+            detection=3.0, decision=0.5, rebuild=0.75, agreement=0.25, transfer=1.0, first_step=0.5, total=3.0
+        ),
         moved(decision=3.5),
         Phases(),
     ]
     summary = summarise([report])
     assert list(summary.by_class) == ["unplanned", "pre-emptive", "planned"]  # the order of CLASSES
     assert summary.by_class["unplanned"] == ClassSummary(
-        Totals(faults=1, recoveries=1, recomputed_steps=1), 1, {"live": 1})
+        Totals(faults=1, recoveries=1, recomputed_steps=1), 1, {"live": 1}
+    )
     assert summary.by_class["pre-emptive"] == ClassSummary(Totals(faults=1, recoveries=1), 1, {"live": 1})
     assert summary.by_class["planned"] == ClassSummary(Totals(faults=1, recoveries=1), 1, {"deferred": 1})
     assert summary.total == ClassSummary(
-        Totals(faults=3, recoveries=3, recomputed_steps=1), 3, {"live": 2, "deferred": 1})
+        Totals(faults=3, recoveries=3, recomputed_steps=1), 3, {"live": 2, "deferred": 1}
+    )
     assert summary.total.share_no_lost_progress == 1.0
     assert summary_line(summary) == (
         "2 of 3 faults resolved by live migration with 0 committed steps lost; 1 deferred to the end of the "
-        "job with 0 committed steps lost (100% with no lost progress)")
+        "job with 0 committed steps lost (100% with no lost progress)"
+    )

@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torchpass_slurm.rank import checkpoint  # noqa: E402
 from torchpass_slurm.errors import CheckpointError  # noqa: E402
+from torchpass_slurm.rank import checkpoint  # noqa: E402
 
 
 def make(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -51,7 +51,7 @@ def test_round_trip_continues_bitwise_identically(tmp_path: Path) -> None:
     random.random()
     assert checkpoint.load_latest(state_of(other, other_opt), tmp_path) == 3
     assert train(other, other_opt, 4) == expected
-    assert all(torch.equal(a, b) for a, b in zip(params(other), expected_params))
+    assert all(torch.equal(a, b) for a, b in zip(params(other), expected_params, strict=True))
 
 
 def test_keeps_the_last_k_and_points_latest_at_the_newest(tmp_path: Path) -> None:
@@ -88,7 +88,7 @@ def test_no_checkpoint_returns_none_and_leaves_state_alone(tmp_path: Path) -> No
     model, opt = make()
     before = params(model)
     assert checkpoint.load_latest(state_of(model, opt), tmp_path / "missing") is None
-    assert all(torch.equal(a, b) for a, b in zip(params(model), before))
+    assert all(torch.equal(a, b) for a, b in zip(params(model), before, strict=True))
 
 
 def test_mismatched_state_is_a_checkpoint_error(tmp_path: Path) -> None:
@@ -96,7 +96,7 @@ def test_mismatched_state_is_a_checkpoint_error(tmp_path: Path) -> None:
     checkpoint.save(state_of(model, opt), tmp_path, step=2)
     bigger = torch.nn.Linear(8, 32)
     state = {"train": checkpoint.TrainState(bigger, torch.optim.AdamW(bigger.parameters()))}
-    with pytest.raises(CheckpointError, match="loading the checkpoint .*step-00000002 failed"):
+    with pytest.raises(CheckpointError, match=r"loading the checkpoint .*step-00000002 failed"):
         checkpoint.load_latest(state, tmp_path)
 
 

@@ -34,18 +34,25 @@ def test_a_private_checkpoint_loads(tmp_path: Path) -> None:
     assert torch.equal(state["w"], torch.arange(4.0))
 
 
-@pytest.mark.parametrize("where, bits, who", [
-    ("folder", stat.S_IWGRP, "its group"),
-    ("folder", stat.S_IWOTH, "others"),
-    ("step", stat.S_IWGRP | stat.S_IWOTH, "its group and others"),
-    ("metadata", stat.S_IWGRP, "its group"),
-    ("data", stat.S_IWOTH, "others"),
-])
+@pytest.mark.parametrize(
+    "where, bits, who",
+    [
+        ("folder", stat.S_IWGRP, "its group"),
+        ("folder", stat.S_IWOTH, "others"),
+        ("step", stat.S_IWGRP | stat.S_IWOTH, "its group and others"),
+        ("metadata", stat.S_IWGRP, "its group"),
+        ("data", stat.S_IWOTH, "others"),
+    ],
+)
 def test_a_checkpoint_writable_by_others_is_refused(tmp_path: Path, where: str, bits: int, who: str) -> None:
     directory, state = saved(tmp_path)
     step = checkpoint.step_dir(directory, 3)
-    target = {"folder": directory, "step": step, "metadata": step / ".metadata",
-              "data": next(step.glob("*.distcp"))}[where]
+    target = {
+        "folder": directory,
+        "step": step,
+        "metadata": step / ".metadata",
+        "data": next(step.glob("*.distcp")),
+    }[where]
     add_mode(target, bits)
     with pytest.raises(CheckpointError) as refused:
         checkpoint.load_latest(state, directory)
@@ -55,7 +62,9 @@ def test_a_checkpoint_writable_by_others_is_refused(tmp_path: Path, where: str, 
     assert torch.equal(state["w"], torch.zeros(4)), "the state was loaded anyway"
 
 
-def test_a_checkpoint_owned_by_another_user_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_checkpoint_owned_by_another_user_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     directory, state = saved(tmp_path)
     metadata = checkpoint.step_dir(directory, 3) / ".metadata"
     if os.geteuid() == 0:
@@ -167,5 +176,7 @@ def test_saving_into_a_shared_folder_fails_at_the_first_save(tmp_path: Path) -> 
     directory = tmp_path / "shared"
     directory.mkdir()
     add_mode(directory, stat.S_IWGRP)
-    with pytest.raises(CheckpointError, match=f"refusing to load from {directory}: it is writable by its group"):
+    with pytest.raises(
+        CheckpointError, match=f"refusing to load from {directory}: it is writable by its group"
+    ):
         checkpoint.save({"w": torch.zeros(1)}, directory, step=1)

@@ -18,13 +18,13 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from torchpass_slurm.control import messages as m  # noqa: E402
-from torchpass_slurm.control.secret import create_secret  # noqa: E402
-from torchpass_slurm.rank import nodebeat, runtime  # noqa: E402
-from torchpass_slurm.rank.link import Heartbeat  # noqa: E402
-from torchpass_slurm.rank.rankinfo import RankInfo  # noqa: E402
+from torchpass_slurm.control import messages as m
+from torchpass_slurm.control.secret import create_secret
+from torchpass_slurm.rank import nodebeat, runtime
+from torchpass_slurm.rank.link import Heartbeat
+from torchpass_slurm.rank.rankinfo import RankInfo
 
-from .test_runtime import FakeClient, factory  # noqa: E402
+from .test_runtime import FakeClient, factory
 
 INTERVAL = 0.05
 LOG = logging.LoggerAdapter(logging.getLogger("test"), {})
@@ -32,16 +32,26 @@ WAIT_S = 5.0
 
 
 def place(local: int, ntasks: int = 2) -> RankInfo:
-    return RankInfo(rank=10 + local, world_size=8, local_rank=local, local_world_size=ntasks,
-                    master_addr="c1", master_port=1)
+    return RankInfo(
+        rank=10 + local,
+        world_size=8,
+        local_rank=local,
+        local_world_size=ntasks,
+        master_addr="c1",
+        master_port=1,
+    )
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
     (tmp_path / "run").mkdir()
     (tmp_path / "tmp").mkdir()
-    return {"TORCHPASS_NODE_HEARTBEAT": "1", "TMPDIR": str(tmp_path / "tmp"), "TORCHPASS_EPOCH": "3",
-            "TORCHPASS_SECRET_FILE": str(create_secret(tmp_path / "run"))}
+    return {
+        "TORCHPASS_NODE_HEARTBEAT": "1",
+        "TMPDIR": str(tmp_path / "tmp"),
+        "TORCHPASS_EPOCH": "3",
+        "TORCHPASS_SECRET_FILE": str(create_secret(tmp_path / "run")),
+    }
 
 
 class Rank:
@@ -52,8 +62,15 @@ class Rank:
         self.body = {"rank": 10 + local, "step": 0, "state": "sync"}
         self.node = nodebeat.node_beat(env, "42", "c2", place(local), LOG)
         assert self.node is not None
-        self.thread = Heartbeat(self.client, INTERVAL, beat=self.beat, on_message=lambda msg: None,  # type: ignore[arg-type]
-                                outbox=__import__("queue").Queue(), log=LOG, node=self.node)
+        self.thread = Heartbeat(
+            self.client,
+            INTERVAL,
+            beat=self.beat,
+            on_message=lambda msg: None,  # type: ignore[arg-type]
+            outbox=__import__("queue").Queue(),
+            log=LOG,
+            node=self.node,
+        )
 
     def beat(self, state: str | None = None) -> dict[str, Any]:
         return {**self.body, "state": state or self.body["state"]}
@@ -95,7 +112,9 @@ def entry_of(beat: dict[str, Any], local: int) -> list[Any] | None:
 def test_local_rank_0_carries_its_node_and_the_others_beat_only_to_it(node: tuple[Rank, Rank]) -> None:
     zero, one = node
     one.body["step"] = 7
-    beat = until(lambda: next((b for b in reversed(zero.beats()) if (entry_of(b, 1) or [0, 0, 0])[2] == 7), None))
+    beat = until(
+        lambda: next((b for b in reversed(zero.beats()) if (entry_of(b, 1) or [0, 0, 0])[2] == 7), None)
+    )
     assert {k: beat[k] for k in ("rank", "step", "state")} == {"rank": 10, "step": 0, "state": "sync"}
     local, rank, step, state, age_ms, alive = entry_of(beat, 1)  # type: ignore[misc]
     assert (local, rank, step, state, alive) == (1, 11, 7, "sync", True)
@@ -131,7 +150,10 @@ def test_a_beat_the_collector_cannot_authenticate_or_place_is_dropped(env: dict[
     body = {"rank": 3, "step": 1, "state": "sync"}
 
     def signed(sender: str, to: str = "c2/0", key: bytes = secret, **extra: Any) -> list[bytes]:
-        return m.encode(m.Message(m.HEARTBEAT, sender, time.time_ns(), time.time(), {**body, **extra}, to=to), key)
+        return m.encode(
+            m.Message(m.HEARTBEAT, sender, time.time_ns(), time.time(), {**body, **extra}, to=to), key
+        )
+
     try:
         for frames in (
             signed("c2/1", key=b"x" * 32),  # another job's secret
@@ -144,7 +166,9 @@ def test_a_beat_the_collector_cannot_authenticate_or_place_is_dropped(env: dict[
         ):
             push.send_multipart(frames)
         push.send_multipart(signed("c2/3", step=5))  # the one good beat, last
-        beat = until(lambda: (b := collector.periodic({"rank": 0, "step": 1, "state": "sync"}))["tasks"] and b)
+        beat = until(
+            lambda: (b := collector.periodic({"rank": 0, "step": 1, "state": "sync"}))["tasks"] and b
+        )
         assert [t[:4] for t in beat["tasks"]] == [[3, 3, 5, "sync"]]
         assert collector._receiver.rejected == 3
     finally:
@@ -154,7 +178,8 @@ def test_a_beat_the_collector_cannot_authenticate_or_place_is_dropped(env: dict[
 
 
 def test_the_folder_is_private_and_a_folder_of_anyone_else_means_per_rank_beats(
-        env: dict[str, str], caplog: pytest.LogCaptureFixture) -> None:
+    env: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
     folder = nodebeat.beat_dir(env, "42", "c2")
     relay = nodebeat.node_beat(env, "42", "c2", place(1), LOG)  # local 1 may come first: it makes it
     assert isinstance(relay, nodebeat.BeatRelay)
@@ -171,7 +196,8 @@ def test_the_folder_is_private_and_a_folder_of_anyone_else_means_per_rank_beats(
 
 @pytest.mark.parametrize(("extra", "ntasks"), [({"TORCHPASS_NODE_HEARTBEAT": "0"}, 2), ({}, 1)])
 def test_no_node_beat_when_it_is_off_or_alone_on_the_node(
-        env: dict[str, str], extra: dict[str, str], ntasks: int) -> None:
+    env: dict[str, str], extra: dict[str, str], ntasks: int
+) -> None:
     assert nodebeat.node_beat({**env, **extra}, "42", "c2", place(0, ntasks), LOG) is None
 
 
@@ -180,15 +206,31 @@ def test_two_runtimes_of_one_node_beat_through_local_rank_0(env: dict[str, str])
     clients = [FakeClient(), FakeClient()]
     rts = []
     for local, client in enumerate(clients):
-        e = {**env, "TORCHPASS_CONTROL": "tcp://ctl:5555", "TORCHPASS_ROLE": "active", "TORCHPASS_JOB_ID": "42",
-             "TORCHPASS_NODE": "c2", "TORCHPASS_NTASKS_PER_NODE": "2", "SLURM_LOCALID": str(local),
-             "TORCHPASS_RANK_BASE": "4", "WORLD_SIZE": "4", "MASTER_ADDR": "c1", "MASTER_PORT": "1"}
-        rts.append(runtime.init(e, client_factory=factory(client), config=runtime.SupervisorConfig(
-            heartbeat_interval=INTERVAL)))
+        e = {
+            **env,
+            "TORCHPASS_CONTROL": "tcp://ctl:5555",
+            "TORCHPASS_ROLE": "active",
+            "TORCHPASS_JOB_ID": "42",
+            "TORCHPASS_NODE": "c2",
+            "TORCHPASS_NTASKS_PER_NODE": "2",
+            "SLURM_LOCALID": str(local),
+            "TORCHPASS_RANK_BASE": "4",
+            "WORLD_SIZE": "4",
+            "MASTER_ADDR": "c1",
+            "MASTER_PORT": "1",
+        }
+        rts.append(
+            runtime.init(
+                e,
+                client_factory=factory(client),
+                config=runtime.SupervisorConfig(heartbeat_interval=INTERVAL),
+            )
+        )
     try:
         rts[1].report_step(3)
-        until(lambda: any((entry_of(b, 1) or [0, 0, 0])[2] == 3
-                          for k, b in clients[0].sent if k == "heartbeat"))
+        until(
+            lambda: any((entry_of(b, 1) or [0, 0, 0])[2] == 3 for k, b in clients[0].sent if k == "heartbeat")
+        )
         assert clients[1].kinds() == ["hello"]
     finally:
         for rt in rts:
@@ -230,7 +272,11 @@ def test_local_rank_0_says_which_of_its_nodes_ranks_are_alive(env: dict[str, str
             collector._take(m.Message(m.HEARTBEAT, f"c2/{local}", 1, time.time(), beat, to="c2/0"))
         tasks = collector.periodic({"rank": 10, "step": 4, "state": "sync"})["tasks"]
         assert [(t[0], t[5]) for t in tasks] == [(1, True), (2, False)]
-        m.encode(m.Message(m.HEARTBEAT, "c2/0", 1, time.time(), {"rank": 10, "step": 4, "state": "sync",
-                                                                  "tasks": tasks}), b"k" * 32)
+        m.encode(
+            m.Message(
+                m.HEARTBEAT, "c2/0", 1, time.time(), {"rank": 10, "step": 4, "state": "sync", "tasks": tasks}
+            ),
+            b"k" * 32,
+        )
     finally:
         collector.close()

@@ -13,19 +13,19 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from torchpass_slurm.cli.report import supervisor_lost_line  # noqa: E402
-from torchpass_slurm.control.client import ControlClient  # noqa: E402
-from torchpass_slurm.control.secret import create_secret, load_secret  # noqa: E402
-from torchpass_slurm.control.server import ControlServer  # noqa: E402
-from torchpass_slurm.rank import orphan as orphan_mod  # noqa: E402
-from torchpass_slurm.rank.orphan import (  # noqa: E402
+from torchpass_slurm.cli.report import supervisor_lost_line
+from torchpass_slurm.control.client import ControlClient
+from torchpass_slurm.control.secret import create_secret, load_secret
+from torchpass_slurm.control.server import ControlServer
+from torchpass_slurm.rank import orphan as orphan_mod
+from torchpass_slurm.rank.orphan import (
     EXIT_CUT_OFF,
     EXIT_SUPERVISOR_LOST,
     LEASE,
     Orphan,
 )
-from torchpass_slurm.rundir.supervisor_lost import RECORD, read_record  # noqa: E402
-from torchpass_slurm.slurm.runner import CommandResult, SubprocessRunner  # noqa: E402
+from torchpass_slurm.rundir.supervisor_lost import RECORD, read_record
+from torchpass_slurm.slurm.runner import CommandResult, SubprocessRunner
 
 LOG = logging.LoggerAdapter(logging.getLogger("test"), {})
 
@@ -70,7 +70,8 @@ def test_within_the_grace_nothing_happens(tmp_path: Path, calls: list[list[str]]
 
 
 def test_the_first_rank_past_the_grace_cancels_the_job_and_the_others_only_leave(
-        tmp_path: Path, calls: list[list[str]]) -> None:
+    tmp_path: Path, calls: list[list[str]]
+) -> None:
     first = Orphan(env(tmp_path), node="c2", sender="c2/0", log=LOG)
     with pytest.raises(Exited) as code:
         first.check(Link(first.grace + 2))
@@ -116,7 +117,8 @@ def test_a_rank_cut_off_from_a_living_supervisor_leaves_alone(tmp_path: Path, ca
 
 @pytest.mark.parametrize("age_s", [30.0, None])
 def test_a_stale_or_missing_lease_means_the_supervisor_is_gone(
-        tmp_path: Path, calls: list[list[str]], age_s: float | None) -> None:
+    tmp_path: Path, calls: list[list[str]], age_s: float | None
+) -> None:
     if age_s is not None:
         lease(tmp_path, age_s)
     o = Orphan(env(tmp_path), node="c2", sender="c2/0", log=LOG)
@@ -132,8 +134,9 @@ def test_a_malformed_lease_is_no_lease(tmp_path: Path, text: str) -> None:
     assert Orphan(env(tmp_path), node="c2", sender="c2/0", log=LOG).lease_age() is None
 
 
-def test_a_grace_of_zero_turns_it_off(tmp_path: Path, calls: list[list[str]],
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_grace_of_zero_turns_it_off(
+    tmp_path: Path, calls: list[list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TORCHPASS_SUPERVISOR_GRACE", "0")
     Orphan(env(tmp_path), node="c2", sender="c2/0", log=LOG).check(Link(1e6))
     assert calls == []

@@ -14,10 +14,10 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from torchpass_slurm.control.client import ControlClient  # noqa: E402
-from torchpass_slurm.control.secret import create_secret, load_secret  # noqa: E402
-from torchpass_slurm.control.server import ControlServer  # noqa: E402
-from torchpass_slurm.rank.link import Heartbeat, Outbox  # noqa: E402
+from torchpass_slurm.control.client import ControlClient
+from torchpass_slurm.control.secret import create_secret, load_secret
+from torchpass_slurm.control.server import ControlServer
+from torchpass_slurm.rank.link import Heartbeat, Outbox
 
 #: Far longer than any wait below: a message that waited for the next heartbeat would miss them.
 INTERVAL_S = 60.0
@@ -45,9 +45,14 @@ def test_a_queued_report_leaves_before_the_next_heartbeat_and_close_is_prompt(tm
     with ControlServer(secret, "127.0.0.1") as server:
         client = ControlClient(server.endpoint, secret, "c1/0")
         box = Outbox()
-        hb = Heartbeat(client, INTERVAL_S, beat=lambda state=None: {"rank": 0, "step": 1, "state": "running"},
-                       on_message=lambda msg: None, outbox=box,
-                       log=logging.LoggerAdapter(logging.getLogger("test"), {}))
+        hb = Heartbeat(
+            client,
+            INTERVAL_S,
+            beat=lambda state=None: {"rank": 0, "step": 1, "state": "running"},
+            on_message=lambda msg: None,
+            outbox=box,
+            log=logging.LoggerAdapter(logging.getLogger("test"), {}),
+        )
         hb.start()
         try:
             kinds: list[str] = []

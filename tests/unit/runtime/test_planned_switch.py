@@ -36,8 +36,15 @@ def trainer(rt: Any) -> ElasticTrainer:
 
 
 def planned(epoch: int, switch_after: int | None) -> Reconfigure:
-    return Reconfigure(epoch=epoch, world_size=3, store_addr="c1", store_port=1, planned=True,
-                       leave=(2,), switch_after=switch_after)
+    return Reconfigure(
+        epoch=epoch,
+        world_size=3,
+        store_addr="c1",
+        store_port=1,
+        planned=True,
+        leave=(2,),
+        switch_after=switch_after,
+    )
 
 
 def test_the_switch_comes_after_the_announced_step_and_not_before() -> None:

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from torchpass_slurm.rank import runtime
 from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.control import messages as m
 from torchpass_slurm.errors import ConfigError, ControlPlaneError
+from torchpass_slurm.rank import runtime
 
 FAST = SupervisorConfig(heartbeat_interval=0.01)
 
@@ -68,13 +68,21 @@ def factory(client: FakeClient) -> runtime.ClientFactory:
     def make(endpoint: str, secret_file: str, sender: str) -> FakeClient:
         client.args = (endpoint, secret_file, sender)
         return client
+
     return make
 
 
 def tp_env(role: str, **extra: str) -> dict[str, str]:
-    env = {"TORCHPASS_CONTROL": "tcp://ctl:5555", "TORCHPASS_SECRET_FILE": "/run/secret",
-           "TORCHPASS_ROLE": role, "TORCHPASS_JOB_ID": "42", "TORCHPASS_NODE": "c2",
-           "TORCHPASS_EPOCH": "3", "TORCHPASS_NTASKS_PER_NODE": "2", "SLURM_LOCALID": "1"}
+    env = {
+        "TORCHPASS_CONTROL": "tcp://ctl:5555",
+        "TORCHPASS_SECRET_FILE": "/run/secret",
+        "TORCHPASS_ROLE": role,
+        "TORCHPASS_JOB_ID": "42",
+        "TORCHPASS_NODE": "c2",
+        "TORCHPASS_EPOCH": "3",
+        "TORCHPASS_NTASKS_PER_NODE": "2",
+        "SLURM_LOCALID": "1",
+    }
     env.update(extra)
     return env
 
@@ -83,8 +91,14 @@ def tp_env(role: str, **extra: str) -> dict[str, str]:
 
 
 def test_plain_torchrun_env_is_kept() -> None:
-    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-           "MASTER_ADDR": "n1", "MASTER_PORT": "1234"}
+    env = {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "n1",
+        "MASTER_PORT": "1234",
+    }
     rt = runtime.init(env)
     assert (rt.role, rt.rank, rt.world_size, rt.local_rank) == (runtime.Role.PLAIN, 5, 8, 1)
     assert env["MASTER_ADDR"] == "n1" and env["MASTER_PORT"] == "1234"
@@ -92,11 +106,22 @@ def test_plain_torchrun_env_is_kept() -> None:
 
 
 def test_plain_srun_env_is_translated_for_torch() -> None:
-    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2",
-           "SLURM_JOB_ID": "77", "MASTER_ADDR": "c1", "MASTER_PORT": "29500"}
+    env = {
+        "SLURM_PROCID": "3",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_JOB_ID": "77",
+        "MASTER_ADDR": "c1",
+        "MASTER_PORT": "29500",
+    }
     rt = runtime.init(env)
-    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")} == \
-        {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")} == {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+    }
     assert rt.tag == "77/3/0/-"
 
 
@@ -152,7 +177,9 @@ def test_heartbeats_carry_the_step_and_close_says_bye_from_the_same_thread() -> 
     rt = runtime.init(env, client_factory=factory(client), config=FAST)
     rt.report_step(7)
     deadline = time.monotonic() + 5
-    while not any(k == "heartbeat" and b["step"] == 7 for k, b in client.sent) and time.monotonic() < deadline:
+    while (
+        not any(k == "heartbeat" and b["step"] == 7 for k, b in client.sent) and time.monotonic() < deadline
+    ):
         time.sleep(0.01)
     rt.close()
     beats = [b for k, b in client.sent if k == "heartbeat"]
@@ -182,7 +209,9 @@ def test_spare_blocks_until_promoted_then_runs_as_active() -> None:
     client = FakeClient()
     env = tp_env("spare", SLURM_LOCALID="0")
     done: list[runtime.Runtime] = []
-    t = threading.Thread(target=lambda: done.append(runtime.init(env, client_factory=factory(client), config=FAST)))
+    t = threading.Thread(
+        target=lambda: done.append(runtime.init(env, client_factory=factory(client), config=FAST))
+    )
     t.start()
     time.sleep(0.1)
     assert not done, "a spare must block in init() until promoted"
@@ -193,7 +222,12 @@ def test_spare_blocks_until_promoted_then_runs_as_active() -> None:
     rt = done[0]
     try:
         assert rt.is_spare_promoted and (rt.rank, rt.world_size, rt.epoch) == (2, 4, 4)
-        assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"], env["MASTER_PORT"]) == ("2", "4", "c1", "29401")
+        assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"], env["MASTER_PORT"]) == (
+            "2",
+            "4",
+            "c1",
+            "29401",
+        )
         hello = [b for k, b in client.sent if k == "hello"]
         assert hello and hello[0]["promoted"] is True and hello[0]["rank"] == 2
     finally:
@@ -218,8 +252,12 @@ def test_spare_has_no_rank_before_promotion() -> None:
 
 def test_spare_standby_timeout() -> None:
     with pytest.raises(ControlPlaneError, match="no promote or stop"):
-        runtime.init(tp_env("spare"), client_factory=factory(FakeClient()), config=FAST,
-                     standby_timeout=datetime.timedelta(seconds=0.05))
+        runtime.init(
+            tp_env("spare"),
+            client_factory=factory(FakeClient()),
+            config=FAST,
+            standby_timeout=datetime.timedelta(seconds=0.05),
+        )
 
 
 def test_malformed_promote_is_a_control_plane_error() -> None:
@@ -241,7 +279,9 @@ def test_log_lines_carry_job_rank_epoch_step(caplog: pytest.LogCaptureFixture) -
 
 
 def test_modules_import_without_torch_or_zmq() -> None:
-    code = ("import sys; import torchpass_slurm.rank.runtime, torchpass_slurm.rank.checkpoint; "
-            "print(sorted(m for m in ('torch', 'zmq') if m in sys.modules))")
+    code = (
+        "import sys; import torchpass_slurm.rank.runtime, torchpass_slurm.rank.checkpoint; "
+        "print(sorted(m for m in ('torch', 'zmq') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -10,11 +10,11 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from torchpass_slurm.rank import runtime  # noqa: E402
-from torchpass_slurm.config import SupervisorConfig  # noqa: E402
-from torchpass_slurm.control.secret import create_secret, load_secret  # noqa: E402
-from torchpass_slurm.control.server import ControlServer  # noqa: E402
-from torchpass_slurm.control.messages import Message  # noqa: E402
+from torchpass_slurm.config import SupervisorConfig
+from torchpass_slurm.control.messages import Message
+from torchpass_slurm.control.secret import create_secret, load_secret
+from torchpass_slurm.control.server import ControlServer
+from torchpass_slurm.rank import runtime
 
 FAST = SupervisorConfig(heartbeat_interval=0.05)
 WAIT = datetime.timedelta(seconds=5)
@@ -33,15 +33,31 @@ def next_message(server: ControlServer, kind: str) -> tuple[bytes, Message]:
 def test_spare_promoted_over_the_real_control_plane(tmp_path: Path) -> None:
     secret_file = create_secret(tmp_path)
     with ControlServer(load_secret(secret_file), "127.0.0.1") as server:
-        env = {"TORCHPASS_CONTROL": server.endpoint, "TORCHPASS_SECRET_FILE": str(secret_file),
-               "TORCHPASS_ROLE": "spare", "TORCHPASS_NODE": "c4", "TORCHPASS_JOB_ID": "7", "SLURM_LOCALID": "0"}
+        env = {
+            "TORCHPASS_CONTROL": server.endpoint,
+            "TORCHPASS_SECRET_FILE": str(secret_file),
+            "TORCHPASS_ROLE": "spare",
+            "TORCHPASS_NODE": "c4",
+            "TORCHPASS_JOB_ID": "7",
+            "SLURM_LOCALID": "0",
+        }
         started: list[runtime.Runtime] = []
         t = threading.Thread(target=lambda: started.append(runtime.init(env, config=FAST)))
         t.start()
         peer, standby = next_message(server, "standby")
         assert standby.sender == "c4/0" and standby.body["node"] == "c4"
-        server.send(peer, "promote", {"rank": 1, "local_rank": 0, "world_size": 3,
-                                      "master_addr": "c1", "master_port": 29500, "epoch": 2})
+        server.send(
+            peer,
+            "promote",
+            {
+                "rank": 1,
+                "local_rank": 0,
+                "world_size": 3,
+                "master_addr": "c1",
+                "master_port": 29500,
+                "epoch": 2,
+            },
+        )
         _, hello = next_message(server, "hello")
         t.join(5)
         rt = started[0]
@@ -58,8 +74,12 @@ def test_spare_promoted_over_the_real_control_plane(tmp_path: Path) -> None:
 def test_spare_stopped_over_the_real_control_plane(tmp_path: Path) -> None:
     secret_file = create_secret(tmp_path)
     with ControlServer(load_secret(secret_file), "127.0.0.1") as server:
-        env = {"TORCHPASS_CONTROL": server.endpoint, "TORCHPASS_SECRET_FILE": str(secret_file),
-               "TORCHPASS_ROLE": "spare", "TORCHPASS_NODE": "c5"}
+        env = {
+            "TORCHPASS_CONTROL": server.endpoint,
+            "TORCHPASS_SECRET_FILE": str(secret_file),
+            "TORCHPASS_ROLE": "spare",
+            "TORCHPASS_NODE": "c5",
+        }
         codes: list[object] = []
 
         def spare() -> None:

@@ -123,7 +123,8 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 
 def test_a_survivor_leaves_a_collective_with_a_frozen_peer_once_the_reconfigure_aborts_the_group(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     port = free_port()
     keep = make_tcp_store("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=WAIT_S))
     ctx = multiprocessing.get_context("spawn")
@@ -198,7 +199,8 @@ def test_only_a_gloo_group_has_its_sockets_recorded(monkeypatch: pytest.MonkeyPa
 
 
 def test_the_abort_shuts_down_a_recorded_socket_and_never_closes_its_descriptor(
-        pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
+    pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
     a, b = pair
     monkeypatch.setattr(group, "_live", group._Live(OldGroup(), epoch=0, sockets=(recorded(a),)))
 
@@ -211,7 +213,8 @@ def test_the_abort_shuts_down_a_recorded_socket_and_never_closes_its_descriptor(
 
 
 def test_the_abort_leaves_a_descriptor_alone_whose_inode_changed(
-        pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
+    pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
     a, b = pair
     real = group._socket_inode
     monkeypatch.setattr(group, "_socket_inode", lambda fd: None if real(fd) is None else inode(a) + 1)
@@ -238,7 +241,8 @@ def test_the_abort_leaves_a_reused_descriptor_alone(monkeypatch: pytest.MonkeyPa
 
 
 def test_the_sockets_of_the_reconfigured_epochs_group_are_never_shut_down(
-        pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
+    pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
     a, b = pair  # the training thread has already rejoined epoch 2
     monkeypatch.setattr(group, "_live", group._Live(OldGroup(), epoch=2, sockets=(recorded(a),)))
 
@@ -248,7 +252,8 @@ def test_the_sockets_of_the_reconfigured_epochs_group_are_never_shut_down(
 
 
 def test_no_socket_is_shut_down_while_the_training_thread_destroys_the_group(
-        pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
+    pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
     a, b = pair
     monkeypatch.setattr(group, "_live", group._Live(OldGroup(), epoch=0, sockets=(recorded(a),)))
     with group._lock:

@@ -20,9 +20,29 @@ pytest.importorskip("torch")
 pytest.importorskip("numpy")  # torch.distributed's object collectives (used by DCP) need it
 
 SCRIPT = Path(__file__).resolve().parents[3] / "sbatch-examples" / "tiny_gpt.py"
-SMALL = ["--d-model", "64", "--n-layers", "2", "--context", "32", "--batch-size", "8",
-         "--steps", "20", "--ckpt-every", "5", "--log-every", "2", "--threads", "1", "--lr", "1e-2"]
-DONE = re.compile(r"^done step=(\d+) loss=(\S+) params_sha256=([0-9a-f]{64}) optim_sha256=([0-9a-f]{64})$", re.M)
+SMALL = [
+    "--d-model",
+    "64",
+    "--n-layers",
+    "2",
+    "--context",
+    "32",
+    "--batch-size",
+    "8",
+    "--steps",
+    "20",
+    "--ckpt-every",
+    "5",
+    "--log-every",
+    "2",
+    "--threads",
+    "1",
+    "--lr",
+    "1e-2",
+]
+DONE = re.compile(
+    r"^done step=(\d+) loss=(\S+) params_sha256=([0-9a-f]{64}) optim_sha256=([0-9a-f]{64})$", re.M
+)
 
 
 def run_ranks(world: int, args: list[str], *, expect: int = 0) -> str:
@@ -31,10 +51,25 @@ def run_ranks(world: int, args: list[str], *, expect: int = 0) -> str:
     procs = []
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "SLURM_"))}
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, USE_LIBUV="0", PYTHONWARNINGS="ignore")
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *SMALL, *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            USE_LIBUV="0",
+            PYTHONWARNINGS="ignore",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), *SMALL, *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     try:
         outputs = [p.communicate(timeout=120) for p in procs]
     finally:  # a rank left hanging (its peer failed) must not outlive the test
@@ -42,7 +77,7 @@ def run_ranks(world: int, args: list[str], *, expect: int = 0) -> str:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, (_, err) in zip(procs, outputs):
+    for p, (_, err) in zip(procs, outputs, strict=True):
         assert p.returncode == expect, err[-3000:]
     return outputs[0][0]
 

@@ -64,16 +64,21 @@ def _step(meta: dict[str, Any]) -> None:
     meta["step"] = STEP - 1
 
 
-@pytest.mark.parametrize(("lie", "said"), [
-    (_mesh, "shards of the mesh"),
-    (_placements, "does not hold this rank's shard at /model/0.weight"),
-    (_global_shape, "does not hold this rank's shard at /optim/state/2.weight/exp_avg"),
-    (_coord, "say rank 3"),
-    (_no_shards, "no shard metadata"),
-    (_step, "the agreed step is 4"),
-], ids=["mesh", "placements", "global-shape", "coordinate", "no-metadata", "step"])
+@pytest.mark.parametrize(
+    ("lie", "said"),
+    [
+        (_mesh, "shards of the mesh"),
+        (_placements, "does not hold this rank's shard at /model/0.weight"),
+        (_global_shape, "does not hold this rank's shard at /optim/state/2.weight/exp_avg"),
+        (_coord, "say rank 3"),
+        (_no_shards, "no shard metadata"),
+        (_step, "the agreed step is 4"),
+    ],
+    ids=["mesh", "placements", "global-shape", "coordinate", "no-metadata", "step"],
+)
 def test_the_receiver_refuses_shard_metadata_unlike_its_own_before_loading_anything(
-        fsdp_rank: tuple[Any, Any], lie: Callable[[dict[str, Any]], None], said: str) -> None:
+    fsdp_rank: tuple[Any, Any], lie: Callable[[dict[str, Any]], None], said: str
+) -> None:
     model, optimizer = fsdp_rank
     model(torch.randn(2, 8)).sum().backward()
     optimizer.step()  # an optimizer state to send
@@ -95,8 +100,12 @@ def test_the_receiver_refuses_shard_metadata_unlike_its_own_before_loading_anyth
     thread.start()
     into, _ = local_state(model, optimizer)
     with pytest.raises(TransferError, match=said):
-        recv_state(SocketTransport(b), timeout=TIMEOUT, into=into,
-                   accept=lambda m: judge_shard_manifest(m, LAYOUT, 0, 0, STEP, model))
+        recv_state(
+            SocketTransport(b),
+            timeout=TIMEOUT,
+            into=into,
+            accept=lambda m: judge_shard_manifest(m, LAYOUT, 0, 0, STEP, model),
+        )
     thread.join(20)
     assert donor_error and "rejected" in str(donor_error[0])
     after, _ = local_state(model, optimizer)
@@ -107,11 +116,17 @@ def test_the_truthful_manifest_is_accepted(fsdp_rank: tuple[Any, Any]) -> None:
     model, optimizer = fsdp_rank
     state, specs = local_state(model, optimizer)
     a, b = socket.socketpair()
-    thread = threading.Thread(target=send_state, args=(SocketTransport(a), state),
-                              kwargs={"timeout": TIMEOUT, "meta": shard_meta(LAYOUT, 0, STEP, specs)})
+    thread = threading.Thread(
+        target=send_state,
+        args=(SocketTransport(a), state),
+        kwargs={"timeout": TIMEOUT, "meta": shard_meta(LAYOUT, 0, STEP, specs)},
+    )
     thread.start()
-    _, stats = recv_state(SocketTransport(b), timeout=TIMEOUT,
-                          accept=lambda m: judge_shard_manifest(m, LAYOUT, 0, 0, STEP, model))
+    _, stats = recv_state(
+        SocketTransport(b),
+        timeout=TIMEOUT,
+        accept=lambda m: judge_shard_manifest(m, LAYOUT, 0, 0, STEP, model),
+    )
     thread.join(20)
     params = sum(p.numel() * 4 for p in state["model"].values())
     # torch 2.13's get_optimizer_state_dict creates a fresh AdamW's state (a step with zero
@@ -122,17 +137,22 @@ def test_the_truthful_manifest_is_accepted(fsdp_rank: tuple[Any, Any]) -> None:
 HSDP = MeshLayout(("replicate", "shard"), (2, 2))
 
 
-@pytest.mark.parametrize(("layout", "held", "leaving", "plan"), [
-    (HSDP, (4, -1, 4, 4), (), {1: 3}),  # rank 1's replica is rank 3
-    (HSDP, (-1, 4, 4, 4), (), {0: 2}),
-    (MeshLayout(("replicate",), (3,)), (4, 4, -1), (), {2: 1}),  # DDP: rank 0 only as the last choice
-    (MeshLayout(("shard",), (4,), replicate=None), (4, -1, 4, 4), (1,), {1: 1}),  # drained: itself
-    (HSDP, (4, -1, 4, 4), (1,), {1: 1}),  # a drain prefers the leaving rank to a replica
-    (MeshLayout(("shard",), (4,), replicate=None), (4, -1, 4, 4), (), {}),  # nobody: no replica
-    (HSDP, (4, -1, 4, -1), (), {}),  # both replicas of shard 1 lost
-], ids=["hsdp", "hsdp-rank0", "ddp", "fsdp-drain", "hsdp-drain", "fsdp-lost", "shard-lost"])
-def test_donors(layout: MeshLayout, held: tuple[int, ...], leaving: tuple[int, ...],
-                plan: dict[int, int]) -> None:
+@pytest.mark.parametrize(
+    ("layout", "held", "leaving", "plan"),
+    [
+        (HSDP, (4, -1, 4, 4), (), {1: 3}),  # rank 1's replica is rank 3
+        (HSDP, (-1, 4, 4, 4), (), {0: 2}),
+        (MeshLayout(("replicate",), (3,)), (4, 4, -1), (), {2: 1}),  # DDP: rank 0 only as the last choice
+        (MeshLayout(("shard",), (4,), replicate=None), (4, -1, 4, 4), (1,), {1: 1}),  # drained: itself
+        (HSDP, (4, -1, 4, 4), (1,), {1: 1}),  # a drain prefers the leaving rank to a replica
+        (MeshLayout(("shard",), (4,), replicate=None), (4, -1, 4, 4), (), {}),  # nobody: no replica
+        (HSDP, (4, -1, 4, -1), (), {}),  # both replicas of shard 1 lost
+    ],
+    ids=["hsdp", "hsdp-rank0", "ddp", "fsdp-drain", "hsdp-drain", "fsdp-lost", "shard-lost"],
+)
+def test_donors(
+    layout: MeshLayout, held: tuple[int, ...], leaving: tuple[int, ...], plan: dict[int, int]
+) -> None:
     assert plan_donors(layout, Agreement(max(held), held, frozenset(leaving))) == plan
 
 

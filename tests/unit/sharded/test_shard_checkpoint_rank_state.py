@@ -12,8 +12,8 @@ import pytest
 import torch.distributed as dist
 
 from torchpass_slurm.errors import CheckpointError
-from torchpass_slurm.rank import shard_checkpoint
 from torchpass_slurm.mesh import MeshLayout
+from torchpass_slurm.rank import shard_checkpoint
 
 from ..gloo_ranks import loopback_store
 from .ranks import build

@@ -31,9 +31,9 @@ from typing import Any
 from torchpass_slurm import config as cfg
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.control.bodies import Report
-from torchpass_slurm.control.rank_bodies import Heartbeat, Hello, Standby, TaskBeat
 from torchpass_slurm.control.messages import Message, ReportKind, encode
-from torchpass_slurm.errors import SlurmError, ControlPlaneError
+from torchpass_slurm.control.rank_bodies import Heartbeat, Hello, Standby, TaskBeat
+from torchpass_slurm.errors import ControlPlaneError, SlurmError
 from torchpass_slurm.slurm.models import Job, Node
 from torchpass_slurm.supervisor.probe import ProbeResult
 from torchpass_slurm.supervisor.workers import StepLauncher, WorkerStep
@@ -210,9 +210,18 @@ class FakeSlurm:
     def config_value(self, key: str) -> str | None:
         return {"PrologFlags": self.prolog_flags, "SlurmdTimeout": self.slurmd_timeout}.get(key)
 
-    def launch_step(self, command: Sequence[str], *, node: str, job_id: int | None = None,
-                    ntasks: int = 1, job_name: str | None = None, extra_args: Sequence[str] = (),
-                    env: Mapping[str, str] | None = None, unset_env: Sequence[str] = ()) -> FakeProcess:
+    def launch_step(
+        self,
+        command: Sequence[str],
+        *,
+        node: str,
+        job_id: int | None = None,
+        ntasks: int = 1,
+        job_name: str | None = None,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        unset_env: Sequence[str] = (),
+    ) -> FakeProcess:
         self.unset_env[node] = tuple(unset_env)
         process = FakeProcess(self.clock, ignores_sigterm=node in self.hang_on_stop)
         launch = Launch(node, dict(env or {}), ntasks, process)
@@ -231,8 +240,14 @@ class FakeLauncher(StepLauncher):
     """The real StepLauncher on FakeSlurm, recording every stop: (nodes, timeout)."""
 
     def __init__(self, slurm: FakeSlurm, clock: VirtualClock, *, job_id: int) -> None:
-        super().__init__(slurm, job_id=job_id, command=("python", "train.py"),  # type: ignore[arg-type]
-                         control_endpoint="tcp://batch:5555", base_env={}, clock=clock)
+        super().__init__(
+            slurm,
+            job_id=job_id,
+            command=("python", "train.py"),  # type: ignore[arg-type]
+            control_endpoint="tcp://batch:5555",
+            base_env={},
+            clock=clock,
+        )
         self.stops: list[tuple[list[str], float]] = []
 
     def stop(self, steps: Iterable[WorkerStep], timeout: float) -> None:
@@ -355,8 +370,15 @@ class World:
     tick (``rank/nodebeat.py``).
     """
 
-    def __init__(self, clock: VirtualClock, server: FakeServer, slurm: FakeSlurm, *,
-                 train_s: float | None = 8.0, node_beats: bool = False) -> None:
+    def __init__(
+        self,
+        clock: VirtualClock,
+        server: FakeServer,
+        slurm: FakeSlurm,
+        *,
+        train_s: float | None = 8.0,
+        node_beats: bool = False,
+    ) -> None:
         self.clock = clock
         self.server = server
         self.train_s = train_s
@@ -390,9 +412,11 @@ class World:
 
     def go_silent(self, node: str, *, at: float) -> None:
         """The node dies: its tasks stop talking; its srun neither exits nor answers SIGTERM."""
+
         def die() -> None:
             self.silent.add(node)
             self.current[node].process.ignores_sigterm = True
+
         self.at(at, die)
 
     def go_quiet(self, sender: str, *, at: float) -> None:
@@ -434,8 +458,9 @@ class World:
     def _launched(self, launch: Launch) -> None:
         n = self._incarnations[launch.node] = self._incarnations.get(launch.node, 0) + 1
         base = launch.env.get(cfg.ENV_RANK_BASE)
-        sim = SimStep(launch, n, launch.role, launch.epoch, None if base is None else int(base),
-                      self.clock.elapsed)
+        sim = SimStep(
+            launch, n, launch.role, launch.epoch, None if base is None else int(base), self.clock.elapsed
+        )
         for local in range(launch.ntasks):
             peer = f"{launch.node}/{local}#{n}".encode()
             sim.peers[f"{launch.node}/{local}"] = peer
@@ -478,9 +503,12 @@ class World:
         sim.relayed.update({s: (now, b) for s, b in beats.items() if s != leader})
         if leader not in beats:
             return
-        tasks = tuple(TaskBeat(int(s.rsplit("/", 1)[1]), b.rank, b.step, b.state, round((now - t) * 1000),
-                               s not in self.dead)
-                      for s, (t, b) in sorted(sim.relayed.items()))
+        tasks = tuple(
+            TaskBeat(
+                int(s.rsplit("/", 1)[1]), b.rank, b.step, b.state, round((now - t) * 1000), s not in self.dead
+            )
+            for s, (t, b) in sorted(sim.relayed.items())
+        )
         beat = replace(beats[leader], tasks=tasks)
         self.server.inject(sim.peers[leader], leader, msg.HEARTBEAT, beat.to_body())
 
@@ -488,8 +516,14 @@ class World:
         local = int(sender.rsplit("/", 1)[1])
         if sim.role == "spare":
             return msg.STANDBY, Standby(node=sim.node, local_rank=local, pid=sim.process.pid).to_body()
-        return msg.HELLO, Hello(node=sim.node, rank=self.rank_of(sim, sender), local_rank=local,
-                                role="active", pid=sim.process.pid, epoch=sim.epoch).to_body()
+        return msg.HELLO, Hello(
+            node=sim.node,
+            rank=self.rank_of(sim, sender),
+            local_rank=local,
+            role="active",
+            pid=sim.process.pid,
+            epoch=sim.epoch,
+        ).to_body()
 
     @staticmethod
     def rank_of(sim: SimStep, sender: str) -> int | None:
@@ -534,8 +568,9 @@ class ElasticRanks:
     makes the agreed step that much lower than the highest step held.
     """
 
-    def __init__(self, world: World, nodes: Iterable[str] | None = None, *, delay: float = 0.5,
-                 agreed_lag: int = 0) -> None:
+    def __init__(
+        self, world: World, nodes: Iterable[str] | None = None, *, delay: float = 0.5, agreed_lag: int = 0
+    ) -> None:
         self.world = world
         self.nodes = None if nodes is None else set(nodes)
         self.delay = delay
@@ -553,17 +588,30 @@ class ElasticRanks:
     def fail_collective(self, *reporters: str, at: float, error: str | None = None) -> None:
         """At ``at`` every running active rank stops committing; the reporters' tasks say
         ``collective_failed`` with ``error`` (default: gloo's reset, naming nobody)."""
+
         def fail() -> None:
-            stuck = [s for s in self.world.current.values()
-                     if s.role == "active" and s.greeted_at is not None and s.process.poll() is None
-                     and s.node not in self.world.silent]
+            stuck = [
+                s
+                for s in self.world.current.values()
+                if s.role == "active"
+                and s.greeted_at is not None
+                and s.process.poll() is None
+                and s.node not in self.world.silent
+            ]
             for sim in stuck:
                 sim.held = sim.step_at(self.world.clock.elapsed)
             for sim in stuck:
                 if sim.node in reporters:
                     for sender in sim.peers:
-                        self.world.send_report(sim, sender, ReportKind.COLLECTIVE_FAILED, step=sim.held,
-                                               error=error or GLOO_RESET, epoch=sim.epoch)
+                        self.world.send_report(
+                            sim,
+                            sender,
+                            ReportKind.COLLECTIVE_FAILED,
+                            step=sim.held,
+                            error=error or GLOO_RESET,
+                            epoch=sim.epoch,
+                        )
+
         self.world.at(at, fail)
 
     def _elastic(self, node: str) -> bool:
@@ -601,6 +649,7 @@ class ElasticRanks:
                 sim.epoch = epoch
                 self.world.send_report(sim, sender, ReportKind.GROUP_REBUILT, seconds=self.delay, epoch=epoch)
                 self._join(epoch, sim, sender, sim.step_at(self.world.clock.elapsed))
+
             self._later(rejoin)
         elif message.kind == msg.PROMOTE and body["mode"] == "live":
             self._world_size[body["epoch"]] = body["world_size"]
@@ -622,25 +671,45 @@ class ElasticRanks:
             self._later(lambda: self._agree(epoch))
 
     def _agree(self, epoch: int) -> None:
-        ranks = {self.world.rank_of(sim, sender): (sim, sender, step)
-                 for sender, (sim, step) in self._joined[epoch].items()}
+        ranks = {
+            self.world.rank_of(sim, sender): (sim, sender, step)
+            for sender, (sim, step) in self._joined[epoch].items()
+        }
         top = max(step for _, _, step in ranks.values())
         donors = sorted(r for r, (_, _, step) in ranks.items() if step == top)
         receivers = sorted(r for r, (_, _, step) in ranks.items() if step < top)
         agreed = top - self.agreed_lag
         sim0, sender0, _ = ranks[0]
-        self.world.send_report(sim0, sender0, ReportKind.AGREEMENT, committed_step=agreed,
-                               receivers=receivers, donors=donors, epoch=epoch)
+        self.world.send_report(
+            sim0,
+            sender0,
+            ReportKind.AGREEMENT,
+            committed_step=agreed,
+            receivers=receivers,
+            donors=donors,
+            epoch=epoch,
+        )
         for i, rank in enumerate(receivers):
             sim, sender, _ = ranks[rank]
-            self.world.send_report(sim, sender, ReportKind.TRANSFER_DONE, donor=donors[i % len(donors)],
-                                   receiver=rank, step=agreed, bytes=4096, seconds=0.1, retries=0,
-                                   resumed_from=0, epoch=epoch)
+            self.world.send_report(
+                sim,
+                sender,
+                ReportKind.TRANSFER_DONE,
+                donor=donors[i % len(donors)],
+                receiver=rank,
+                step=agreed,
+                bytes=4096,
+                seconds=0.1,
+                retries=0,
+                resumed_from=0,
+                epoch=epoch,
+            )
 
         def first_step() -> None:
             for sim, _, _ in ranks.values():
                 sim.held = None
             self.world.send_report(sim0, sender0, ReportKind.FIRST_STEP, step=agreed + 1, epoch=epoch)
+
         self._later(first_step)
 
 

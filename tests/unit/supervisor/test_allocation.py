@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.errors import SlurmError
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.supervisor import allocation as allocation_module
 from torchpass_slurm.supervisor.allocation import Allocation
 from torchpass_slurm.supervisor.membership import Membership
@@ -115,7 +115,9 @@ class RefusedForNow(HeldSlurm):
     def shrink_job(self, job_id: int, keep: list[str]) -> None:
         self.tries += 1
         if self.tries <= self.refusals:
-            raise SlurmError("Job update not available right now, the DB index is being set, try again in a bit")
+            raise SlurmError(
+                "Job update not available right now, the DB index is being set, try again in a bit"
+            )
         super().shrink_job(job_id, keep)
 
 
@@ -130,7 +132,9 @@ def test_a_shrink_refused_for_now_is_tried_again(tmp_path: Path, monkeypatch: py
     alloc.close()
 
 
-def test_the_tries_end_with_the_job_or_when_they_run_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_tries_end_with_the_job_or_when_they_run_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(allocation_module, "RETRY_DELAYS_S", (30.0,))
     slurm = RefusedForNow(refusals=5)
     alloc, path = allocation(tmp_path, slurm)
@@ -153,7 +157,8 @@ def test_the_tries_end_with_the_job_or_when_they_run_out(tmp_path: Path, monkeyp
 
 
 def test_a_node_asked_out_twice_is_shrunk_once_and_a_shrink_that_changes_nothing_is_never_made(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """A plan made again after a hold names its lost node again; on Slurm 24.11 a shrink to the
     nodes the job already had left a node merged since with no CPU, its steps pending for good."""
     slurm = HeldSlurm()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from torchpass_slurm.supervisor.assemble import training_component
 from torchpass_slurm.errors import ConfigError
+from torchpass_slurm.supervisor.assemble import training_component
 
 
 def test_a_plain_job_is_its_own_training_component() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.faults import Resolution
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.supervisor.completion import Completion
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.state import JobState, Migration
@@ -32,8 +32,15 @@ def done_events(path: Path) -> list[dict[str, object]]:
 
 
 def planned(**fields: object) -> Migration:
-    return Migration(epoch=1, started=1_700_000_090.0, committed=23, failed=("c2",), planned=True,
-                     promoted=("c3",), **fields)  # type: ignore[arg-type]
+    return Migration(
+        epoch=1,
+        started=1_700_000_090.0,
+        committed=23,
+        failed=("c2",),
+        planned=True,
+        promoted=("c3",),
+        **fields,
+    )  # type: ignore[arg-type]
 
 
 def test_a_switch_after_the_last_step_is_closed_live_at_the_end(tmp_path: Path) -> None:
@@ -43,10 +50,16 @@ def test_a_switch_after_the_last_step_is_closed_live_at_the_end(tmp_path: Path) 
     assert c.unswitched() == ()
     c.training_ended()
     (done,) = done_events(path)
-    assert {k: done[k] for k in ("resolution", "lost_steps", "recomputed_steps", "planned", "at_end",
-                                 "seconds")} == {
-        "resolution": "live", "lost_steps": 0, "recomputed_steps": 0, "planned": True, "at_end": True,
-        "seconds": 10.0}
+    assert {
+        k: done[k] for k in ("resolution", "lost_steps", "recomputed_steps", "planned", "at_end", "seconds")
+    } == {
+        "resolution": "live",
+        "lost_steps": 0,
+        "recomputed_steps": 0,
+        "planned": True,
+        "at_end": True,
+        "seconds": 10.0,
+    }
     assert c.job.migration is None
 
 
@@ -56,7 +69,10 @@ def test_a_move_nobody_switched_to_is_closed_deferred(tmp_path: Path) -> None:
     c.training_ended()
     (done,) = done_events(path)
     assert (done["resolution"], done["lost_steps"], done["detail"]) == (
-        "deferred", 0, "the training ended before the switch step")
+        "deferred",
+        0,
+        "the training ended before the switch step",
+    )
 
 
 def test_a_leaving_rank_that_released_means_the_switch_came(tmp_path: Path) -> None:
@@ -76,11 +92,12 @@ def test_an_unplanned_live_recovery_with_no_step_left_is_closed_with_its_losses(
 
 
 def test_a_checkpoint_restart_is_left_to_its_resume(tmp_path: Path) -> None:
-    c, path = completion(tmp_path, Migration(epoch=1, started=0.0, committed=5, failed=("c2",),
-                                             resolution=Resolution.CHECKPOINT))
+    c, path = completion(
+        tmp_path,
+        Migration(epoch=1, started=0.0, committed=5, failed=("c2",), resolution=Resolution.CHECKPOINT),
+    )
     c.training_ended()
     assert done_events(path) == [] and c.job.migration is not None
-
 
 
 def test_no_recovery_in_flight_writes_nothing(tmp_path: Path) -> None:

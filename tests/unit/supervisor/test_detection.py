@@ -13,11 +13,11 @@ import dataclasses
 import signal
 from collections.abc import Callable
 
-from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.analysis.report import analyse
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.control.bodies import Report
 from torchpass_slurm.control.messages import ReportKind
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.supervisor.loop import POLL_SLICE, RunState
 
 from .conftest import CONFIG, STORE, TRAIN_S, Harness, Live, at_of
@@ -29,8 +29,11 @@ PASS = POLL_SLICE.total_seconds() + 1e-6
 
 def fault_of(h: Harness) -> ev.Event:
     """The one fault event of the run."""
-    (fault,) = [e for e in h.events() if e.kind in (ev.HEARTBEAT_LOST, ev.STEP_EXITED, ev.NODE_DOWN)
-                and e.fields.get("exit_code") != 0]
+    (fault,) = [
+        e
+        for e in h.events()
+        if e.kind in (ev.HEARTBEAT_LOST, ev.STEP_EXITED, ev.NODE_DOWN) and e.fields.get("exit_code") != 0
+    ]
     return fault
 
 
@@ -53,7 +56,11 @@ def test_a_killed_rank_of_an_elastic_job_is_blamed_in_the_pass_that_sees_its_exi
     h.run()
 
     fault = fault_of(h)
-    assert (fault.kind, fault.fields["node"], fault.fields["evidence"]) == (ev.STEP_EXITED, "c2", "conclusive")
+    assert (fault.kind, fault.fields["node"], fault.fields["evidence"]) == (
+        ev.STEP_EXITED,
+        "c2",
+        "conclusive",
+    )
     assert 3.0 <= at_of(h, fault) <= 3.0 + PASS  # no settle: elastic peers never exit for it
     assert_one_live_migration(h, "c2")
 
@@ -68,7 +75,10 @@ def test_a_silent_node_named_by_a_peer_is_blamed_once_past_the_silence_threshold
 
     fault = fault_of(h)
     assert (fault.kind, fault.fields["node"], fault.fields["evidence"]) == (
-        ev.HEARTBEAT_LOST, "c2", "peer-report")
+        ev.HEARTBEAT_LOST,
+        "c2",
+        "peer-report",
+    )
     assert "named by rank 0 on c1" in fault.fields["detail"]
     assert at_of(h, fault) <= 3.0 + CONFIG.silence_threshold + 2 * PASS
     assert_one_live_migration(h, "c2")
@@ -90,7 +100,7 @@ def test_a_silent_node_whose_slurmd_does_not_answer_is_blamed_by_the_probe(live:
     # the recovery started in the same pass: nobody waited for the dead node's srun to stop
     (started,) = h.of_kind(ev.MIGRATION_STARTED)
     assert at_of(h, started) == at_of(h, fault)
-    srun = next(l.process for l in h.slurm.launches if l.node == "c2")
+    srun = next(launch.process for launch in h.slurm.launches if launch.node == "c2")
     assert srun.signals == [signal.SIGTERM, signal.SIGKILL]  # it ignored SIGTERM; killed later
 
 
@@ -101,8 +111,14 @@ def test_silence_that_nothing_confirms_waits_for_the_heartbeat_timeout(live: Liv
     h.run()
 
     fault = fault_of(h)
-    assert (fault.kind, fault.fields["node"], fault.fields["evidence"]) == (ev.HEARTBEAT_LOST, "c2", "timeout")
-    assert 3.0 + CONFIG.heartbeat_timeout - PASS <= at_of(h, fault) <= 3.0 + CONFIG.heartbeat_timeout + 2 * PASS
+    assert (fault.kind, fault.fields["node"], fault.fields["evidence"]) == (
+        ev.HEARTBEAT_LOST,
+        "c2",
+        "timeout",
+    )
+    assert (
+        3.0 + CONFIG.heartbeat_timeout - PASS <= at_of(h, fault) <= 3.0 + CONFIG.heartbeat_timeout + 2 * PASS
+    )
     assert_one_live_migration(h, "c2")
 
 
@@ -132,6 +148,7 @@ def test_a_fenced_step_that_speaks_again_moves_nothing(live: Live) -> None:
             h.server.inject(zombie, "c2/0", msg.HEARTBEAT, {"rank": 1, "step": 3, "state": "training"})
         failed = Report.of(ReportKind.COLLECTIVE_FAILED, rank=1, step=3, epoch=0, error=gloo_reset_by("c1"))
         h.server.inject(zombie, "c2/0", msg.REPORT, failed.to_body())
+
     h.world.at(9.0, wake)
 
     result = h.run()
@@ -201,12 +218,19 @@ def test_a_live_move_that_fell_back_to_a_restart_reports_the_chains_steps_once(
     (done,) = h.of_kind(ev.MIGRATION_DONE)
     high_mark = live.fields["committed_step"]
     assert {k: done.fields[k] for k in ("resolution", "lost_steps", "recomputed_steps", "failed")} == {
-        "resolution": "checkpoint", "lost_steps": high_mark - 1, "recomputed_steps": high_mark - 1,
-        "failed": ["c2"]}
+        "resolution": "checkpoint",
+        "lost_steps": high_mark - 1,
+        "recomputed_steps": high_mark - 1,
+        "failed": ["c2"],
+    }
     assert done.fields["seconds"] >= at_of(h, done) - at_of(h, live) - 0.01  # from the first start
     (fault,) = analyse(h.events()).faults
     assert (fault.node, fault.resolution, fault.lost_steps, fault.recomputed_steps) == (
-        "c2", "checkpoint", high_mark - 1, high_mark - 1)
+        "c2",
+        "checkpoint",
+        high_mark - 1,
+        high_mark - 1,
+    )
 
 
 def test_a_rank_that_said_bye_may_take_its_time_to_exit(live: Live) -> None:
@@ -218,6 +242,7 @@ def test_a_rank_that_said_bye_may_take_its_time_to_exit(live: Live) -> None:
     def leave() -> None:
         h.server.inject(b"c2/0#1", "c2/0", msg.BYE, {})
         h.world.silent.add("c2")
+
     h.world.at(3.0, leave)
     h.world.crash("c2", 0, at=exit_at)
 

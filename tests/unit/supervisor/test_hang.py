@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 
-from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.faults import Detector
 from torchpass_slurm.phase import Phase
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.supervisor.hang import RankView, behind, threshold
 from torchpass_slurm.supervisor.loop import POLL_SLICE, RunState
 from torchpass_slurm.supervisor.progress import Progress
@@ -33,6 +33,7 @@ STALL_AT = 6.0
 def stall(h: Harness, phases: dict[str, str], *, at: float, until: float | None = None) -> None:
     """At ``at`` every active node stops committing; each node's heartbeats carry its phase
     (``sync`` unless given); at ``until`` they go on."""
+
     def hold() -> None:
         for sim in h.world.current.values():
             if sim.role == "active":
@@ -43,14 +44,18 @@ def stall(h: Harness, phases: dict[str, str], *, at: float, until: float | None 
         for sim in h.world.current.values():
             sim.held = None
         h.world.phase.clear()
+
     h.world.at(at, hold)
     if until is not None:
         h.world.at(until, release)
 
 
 def faults(h: Harness) -> list[ev.Event]:
-    return [e for e in h.events() if e.kind in (ev.HEARTBEAT_LOST, ev.RANK_HUNG, ev.STEP_EXITED)
-            and e.fields.get("exit_code") != 0]
+    return [
+        e
+        for e in h.events()
+        if e.kind in (ev.HEARTBEAT_LOST, ev.RANK_HUNG, ev.STEP_EXITED) and e.fields.get("exit_code") != 0
+    ]
 
 
 @pytest.fixture
@@ -83,18 +88,30 @@ def test_a_frozen_rank_of_a_stalled_job_is_lost_before_the_heartbeat_timeout(tra
     h.run()
 
     (fault,) = faults(h)
-    assert (fault.kind, fault.fields["node"], fault.fields["evidence"]) == (ev.HEARTBEAT_LOST, "c2", "progress")
+    assert (fault.kind, fault.fields["node"], fault.fields["evidence"]) == (
+        ev.HEARTBEAT_LOST,
+        "c2",
+        "progress",
+    )
     assert at_of(h, fault) < STALL_AT + 0.2 + CONFIG.heartbeat_timeout
     assert_one_live_migration(h, "c2")
 
 
-@pytest.mark.parametrize(("phases", "why"), [
-    ({"c1": Phase.HOOK}, "rank 0 writes a checkpoint while the others wait"),
-    ({"c1": Phase.COMPUTE, "c2": Phase.COMPUTE, "c3": Phase.COMPUTE}, "every rank alike (a slow file system)"),
-    ({"c2": Phase.RECOVERING}, "a rank is in the recovery path"),
-    ({"c2": "training"}, "a rank outside the elastic loop"),
-])
-def test_a_long_stall_with_nobody_behind_is_no_fault(training: Harness, phases: dict[str, str], why: str) -> None:
+@pytest.mark.parametrize(
+    ("phases", "why"),
+    [
+        ({"c1": Phase.HOOK}, "rank 0 writes a checkpoint while the others wait"),
+        (
+            {"c1": Phase.COMPUTE, "c2": Phase.COMPUTE, "c3": Phase.COMPUTE},
+            "every rank alike (a slow file system)",
+        ),
+        ({"c2": Phase.RECOVERING}, "a rank is in the recovery path"),
+        ({"c2": "training"}, "a rank outside the elastic loop"),
+    ],
+)
+def test_a_long_stall_with_nobody_behind_is_no_fault(
+    training: Harness, phases: dict[str, str], why: str
+) -> None:
     h = training
     stall(h, phases, at=STALL_AT, until=STALL_AT + 3 * LIMIT)
 
@@ -141,6 +158,7 @@ def test_no_verdict_before_the_pace_is_known(training: Harness) -> None:
 
 # -- the pure judgment -------------------------------------------------------------------
 
+
 def view(node: str, phase: str, *, step: int = 7, silent: bool = False) -> RankView:
     return RankView(node, f"{node}/0", step, phase, silent)
 
@@ -148,14 +166,22 @@ def view(node: str, phase: str, *, step: int = 7, silent: bool = False) -> RankV
 def test_the_ranks_behind_are_the_silent_ones_else_those_computing_the_step_others_wait_in() -> None:
     sync, compute = Phase.SYNC, Phase.COMPUTE
     assert behind([view("a", sync), view("b", compute), view("c", sync)]) == (
-        Detector.RANK_HUNG, [view("b", compute)])
+        Detector.RANK_HUNG,
+        [view("b", compute)],
+    )
     assert behind([view("a", sync), view("b", sync, silent=True), view("c", compute)]) == (
-        Detector.HEARTBEAT_LOST, [view("b", sync, silent=True)])
+        Detector.HEARTBEAT_LOST,
+        [view("b", sync, silent=True)],
+    )
     assert behind([view("a", sync, step=8), view("b", sync)]) == (  # b is in its optimizer step
-        Detector.RANK_HUNG, [view("b", sync)])
+        Detector.RANK_HUNG,
+        [view("b", sync)],
+    )
     assert behind([view("a", compute, step=8), view("b", sync)]) is None  # a moved on: b is not waiting
     assert behind([view("a", sync, silent=True), view("b", sync, silent=True)]) is None  # we hear nobody
-    assert behind([view("a", sync), view("b", Phase.HOOK, silent=True)]) is None  # a checkpoint may hold the GIL
+    assert (
+        behind([view("a", sync), view("b", Phase.HOOK, silent=True)]) is None
+    )  # a checkpoint may hold the GIL
     assert behind([view("a", sync), view("b", sync)]) is None  # all wait: a dead collective, not a hang
     assert behind([]) is None
 
@@ -190,7 +216,9 @@ def test_a_straggler_beat_of_a_restarted_step_does_not_stall_the_recomputed_step
 
     def straggle() -> None:
         if len(h.launches()) > 3 and not straggled:  # just relaunched; the new c1 not up yet
-            h.server.inject(b"c1/0#1", "c1/0", msg.HEARTBEAT, {"rank": 0, "step": 10_000, "state": Phase.SYNC})
+            h.server.inject(
+                b"c1/0#1", "c1/0", msg.HEARTBEAT, {"rank": 0, "step": 10_000, "state": Phase.SYNC}
+            )
             straggled.append(h.clock.elapsed)
 
     h.server.on_poll.append(straggle)

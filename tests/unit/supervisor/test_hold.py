@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.errors import ConfigError
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.supervisor.loop import RunState
 
 from .conftest import CONFIG, Harness, Live, at_of
@@ -44,7 +44,9 @@ def test_a_loss_with_no_spare_holds_the_step_and_moves_live_when_a_node_comes(li
     assert "holding the committed step" in holding.fields["detail"]
     started = h.of_kind(ev.MIGRATION_STARTED)
     assert [(e.fields["failed"], e.fields["spares"], e.fields["mode"]) for e in started] == [
-        (["c2"], ["c4"], "live"), (["c3"], ["c5"], "live")]
+        (["c2"], ["c4"], "live"),
+        (["c3"], ["c5"], "live"),
+    ]
     assert "held_s" not in started[0].fields
     held_s = started[1].fields["held_s"]  # from the hold to the move, the node's arrival between
     assert held_s == pytest.approx(at_of(h, started[1]) - at_of(h, holding), abs=0.01)
@@ -93,11 +95,14 @@ def test_spare_wait_may_be_zero_meaning_never_hold(raw: str, wait: float) -> Non
     assert SupervisorConfig.from_env({"TORCHPASS_SPARE_WAIT": raw}).spare_wait == wait
 
 
-@pytest.mark.parametrize(("name", "raw", "why"), [
-    ("TORCHPASS_SPARE_WAIT", "-1", "must be 0 or more"),
-    ("TORCHPASS_SPARE_WAIT", "soon", "is not a number of seconds"),
-    ("TORCHPASS_REFILL_WAIT", "0", "must be above 0"),
-])
+@pytest.mark.parametrize(
+    ("name", "raw", "why"),
+    [
+        ("TORCHPASS_SPARE_WAIT", "-1", "must be 0 or more"),
+        ("TORCHPASS_SPARE_WAIT", "soon", "is not a number of seconds"),
+        ("TORCHPASS_REFILL_WAIT", "0", "must be above 0"),
+    ],
+)
 def test_a_bad_wait_is_a_clear_error(name: str, raw: str, why: str) -> None:
     with pytest.raises(ConfigError, match=why):
         SupervisorConfig.from_env({name: raw})
@@ -110,7 +115,10 @@ def test_the_status_snapshot_says_what_the_job_holds_for_and_until_when(tmp_path
     from torchpass_slurm.supervisor.status import job_status
 
     job = JobState(job_id=7, membership=Membership.initial(["c1", "c2", "c3"], 3, 1))
-    assert (job_status(job, tmp_path, 1000.0).holding, job_status(job, tmp_path, 1000.0).holding_until) == ((), None)
+    assert (job_status(job, tmp_path, 1000.0).holding, job_status(job, tmp_path, 1000.0).holding_until) == (
+        (),
+        None,
+    )
     lost = Fault("c3", Detector.HEARTBEAT_LOST, "c3 silent")
     job.holding = Holding((lost,), since=990.0, until=5.0e6, wait_s=300.0)
     status = job_status(job, tmp_path, 1000.0)
@@ -141,7 +149,9 @@ def test_a_loss_during_a_recovery_with_the_pool_empty_holds_then_moves_live(live
     assert holding.fields["failed"] == ["c3"]
     started = h.of_kind(ev.MIGRATION_STARTED)
     assert [(e.fields["failed"], e.fields["spares"], e.fields["mode"]) for e in started] == [
-        (["c2"], ["c4"], "live"), (["c3"], ["c5"], "live")]
+        (["c2"], ["c4"], "live"),
+        (["c3"], ["c5"], "live"),
+    ]
     assert started[1].fields["chained_from"] == started[0].epoch
     assert not h.of_kind(ev.RESTARTED)  # no stalled-recovery restart during the hold
     (done,) = h.of_kind(ev.MIGRATION_DONE)

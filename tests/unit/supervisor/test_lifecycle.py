@@ -20,14 +20,17 @@ def test_happy_path_succeeds_and_stops_the_spare(make: Callable[..., Harness]) -
     assert result.message == "training completed"
     assert h.kinds() == ["started"] + ["worker_up"] * 4 + ["step_exited"] * 3 + ["finished"]
     started, *_ = h.events()
-    assert started.fields == {"active": ["c1", "c2", "c3"], "spares": ["c4"], "world_size": 3,
-                              "ntasks_per_node": 1}
+    assert started.fields == {
+        "active": ["c1", "c2", "c3"],
+        "spares": ["c4"],
+        "world_size": 3,
+        "ntasks_per_node": 1,
+    }
     ups = {e.fields["node"]: e.fields for e in h.of_kind("worker_up")}
     assert ups["c2"] == {"node": "c2", "role": "active", "ranks": [1]}
     assert ups["c4"] == {"node": "c4", "role": "spare"}
     assert [e.fields["exit_code"] for e in h.of_kind("step_exited")] == [0, 0, 0]
-    assert h.launches() == [("c1", "active", 0), ("c2", "active", 0), ("c3", "active", 0),
-                            ("c4", "spare", 0)]
+    assert h.launches() == [("c1", "active", 0), ("c2", "active", 0), ("c3", "active", 0), ("c4", "spare", 0)]
     assert h.stopped_senders() == ["c4/0"]
     assert h.server.sent_of(msg.STOP)[0].message.body == {"reason": "training completed"}
     assert h.promotes() == []
@@ -54,8 +57,15 @@ def test_a_step_counts_as_up_only_when_every_task_said_hello(make: Callable[...,
     h = make(active=1, spares=0, ntasks=2)
     h.world.hello_delay["c1"] = 3.0
     peer = b"c1/0#1"
-    h.world.at(1.0, lambda: h.server.inject(peer, "c1/0", msg.HELLO, {
-        "node": "c1", "rank": 0, "local_rank": 0, "role": "active", "pid": 1, "epoch": 0}))
+    h.world.at(
+        1.0,
+        lambda: h.server.inject(
+            peer,
+            "c1/0",
+            msg.HELLO,
+            {"node": "c1", "rank": 0, "local_rank": 0, "role": "active", "pid": 1, "epoch": 0},
+        ),
+    )
     states: list[WorkerState] = []
     h.world.at(2.0, lambda: states.append(h.supervisor.steps["c1"].state))
 
@@ -68,8 +78,15 @@ def test_a_step_counts_as_up_only_when_every_task_said_hello(make: Callable[...,
 def test_a_hello_of_another_epoch_is_ignored(make: Callable[..., Harness]) -> None:
     h = make(active=2, spares=0)
     h.world.hello_delay["c1"] = 3.0
-    h.world.at(1.0, lambda: h.server.inject(b"c1/0#1", "c1/0", msg.HELLO, {
-        "node": "c1", "rank": 0, "local_rank": 0, "role": "active", "pid": 1, "epoch": 5}))
+    h.world.at(
+        1.0,
+        lambda: h.server.inject(
+            b"c1/0#1",
+            "c1/0",
+            msg.HELLO,
+            {"node": "c1", "rank": 0, "local_rank": 0, "role": "active", "pid": 1, "epoch": 5},
+        ),
+    )
     seen: list[tuple[WorkerState, RunState]] = []
     h.world.at(2.5, lambda: seen.append((h.supervisor.steps["c1"].state, h.supervisor.state)))
 
@@ -81,8 +98,15 @@ def test_a_hello_of_another_epoch_is_ignored(make: Callable[..., Harness]) -> No
 
 def test_messages_from_unknown_nodes_are_ignored(make: Callable[..., Harness]) -> None:
     h = make(active=1, spares=0)
-    h.world.at(1.0, lambda: h.server.inject(b"x", "intruder/0", msg.HELLO, {
-        "node": "intruder", "rank": 0, "local_rank": 0, "role": "active", "pid": 1, "epoch": 0}))
+    h.world.at(
+        1.0,
+        lambda: h.server.inject(
+            b"x",
+            "intruder/0",
+            msg.HELLO,
+            {"node": "intruder", "rank": 0, "local_rank": 0, "role": "active", "pid": 1, "epoch": 0},
+        ),
+    )
 
     assert h.run().state == RunState.SUCCEEDED
     assert [e.fields["node"] for e in h.of_kind("worker_up")] == ["c1"]
@@ -96,8 +120,12 @@ def test_a_straggler_hello_of_the_previous_epoch_is_ignored(make: Callable[..., 
 
     def stale_hello_then_look() -> None:
         assert h.supervisor.membership.epoch == 1
-        h.server.inject(b"c1/0#1", "c1/0", msg.HELLO, {
-            "node": "c1", "rank": 0, "local_rank": 0, "role": "active", "pid": 1, "epoch": 0})
+        h.server.inject(
+            b"c1/0#1",
+            "c1/0",
+            msg.HELLO,
+            {"node": "c1", "rank": 0, "local_rank": 0, "role": "active", "pid": 1, "epoch": 0},
+        )
         h.world.at(h.clock.elapsed + 1.0, lambda: seen.append(h.supervisor.steps["c1"].state))
 
     h.world.at(6.0, stale_hello_then_look)

@@ -12,13 +12,14 @@ from collections.abc import Callable
 
 import pytest
 
-from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.control import messages as msg
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.supervisor.loop import RunState
 from torchpass_slurm.supervisor.workers import master_port
 
 from .conftest import CONFIG, JOB_ID, TRAIN_S, Harness, Live, at_of, sent
 from .fakes import GLOO_RESET, ElasticRanks
+
 
 def states(h: Harness) -> list[tuple[float, RunState]]:
     """Records the supervisor's state at every poll: (elapsed, state) on each change."""
@@ -27,13 +28,13 @@ def states(h: Harness) -> list[tuple[float, RunState]]:
     def record() -> None:
         if not seen or seen[-1][1] != h.supervisor.state:
             seen.append((h.clock.elapsed, h.supervisor.state))
+
     h.server.on_poll.insert(0, record)
     return seen
 
 
 @pytest.mark.parametrize("ntasks", [1, 2])
-def test_a_silent_node_migrates_live_to_the_spare_without_relaunching_anyone(
-        live: Live, ntasks: int) -> None:
+def test_a_silent_node_migrates_live_to_the_spare_without_relaunching_anyone(live: Live, ntasks: int) -> None:
     h, ranks = live(ntasks=ntasks)
     seen = states(h)
     h.world.go_silent("c2", at=3.0)  # the node dies
@@ -55,32 +56,57 @@ def test_a_silent_node_migrates_live_to_the_spare_without_relaunching_anyone(
     (started,) = h.of_kind(ev.MIGRATION_STARTED)
     assert started.epoch == 1
     assert {k: started.fields[k] for k in ("failed", "spares", "committed_step", "mode")} == {
-        "failed": ["c2"], "spares": ["c4"], "committed_step": 3, "mode": "live"}
+        "failed": ["c2"],
+        "spares": ["c4"],
+        "committed_step": 3,
+        "mode": "live",
+    }
     (promoted,) = h.of_kind(ev.SPARE_PROMOTED)
-    assert (promoted.epoch, promoted.fields) == (1, {"node": "c4", "replaces": "c2",
-                                                     "ranks": list(range(ntasks, 2 * ntasks)),
-                                                     "mode": "live"})
+    assert (promoted.epoch, promoted.fields) == (
+        1,
+        {"node": "c4", "replaces": "c2", "ranks": list(range(ntasks, 2 * ntasks)), "mode": "live"},
+    )
 
     reconfigure = {"epoch": 1, "world_size": 3 * ntasks, "store_addr": "c1", "store_port": 29400}
-    assert sent(h, msg.RECONFIGURE) == [(f"{n}/{i}", reconfigure) for n in ("c1", "c3")
-                                        for i in range(ntasks)]
+    assert sent(h, msg.RECONFIGURE) == [
+        (f"{n}/{i}", reconfigure) for n in ("c1", "c3") for i in range(ntasks)
+    ]
     assert h.promotes() == [
-        {"to": f"c4/{i}", "rank": ntasks + i, "local_rank": i, "world_size": 3 * ntasks,
-         "master_addr": "c1", "master_port": master_port(JOB_ID, 1), "epoch": 1,
-         "mode": "live", "store_addr": "c1", "store_port": 29400}
-        for i in range(ntasks)]
+        {
+            "to": f"c4/{i}",
+            "rank": ntasks + i,
+            "local_rank": i,
+            "world_size": 3 * ntasks,
+            "master_addr": "c1",
+            "master_port": master_port(JOB_ID, 1),
+            "epoch": 1,
+            "mode": "live",
+            "store_addr": "c1",
+            "store_port": 29400,
+        }
+        for i in range(ntasks)
+    ]
 
     kinds = h.kinds()
     rank_side = [ev.GROUP_REBUILT, ev.AGREEMENT, ev.TRANSFER_DONE, ev.FIRST_STEP]
     assert [k for k in kinds if k in (ev.MIGRATION_STARTED, *rank_side, ev.MIGRATION_DONE)] == [
-        ev.MIGRATION_STARTED, *[ev.GROUP_REBUILT] * (2 * ntasks), ev.AGREEMENT,
-        *[ev.TRANSFER_DONE] * ntasks, ev.FIRST_STEP, ev.MIGRATION_DONE]
+        ev.MIGRATION_STARTED,
+        *[ev.GROUP_REBUILT] * (2 * ntasks),
+        ev.AGREEMENT,
+        *[ev.TRANSFER_DONE] * ntasks,
+        ev.FIRST_STEP,
+        ev.MIGRATION_DONE,
+    ]
     (agreement,) = h.of_kind(ev.AGREEMENT)
     assert (agreement.epoch, agreement.fields["node"], agreement.fields["committed_step"]) == (1, "c1", 3)
     assert all(e.epoch == 1 for e in h.events() if e.kind in rank_side)
     (done,) = h.of_kind(ev.MIGRATION_DONE)
     assert {k: done.fields[k] for k in ("resolution", "lost_steps", "recomputed_steps", "failed")} == {
-        "resolution": "live", "lost_steps": 0, "recomputed_steps": 1, "failed": ["c2"]}
+        "resolution": "live",
+        "lost_steps": 0,
+        "recomputed_steps": 1,
+        "failed": ["c2"],
+    }
     assert done.fields["seconds"] == pytest.approx(at_of(h, done) - at_of(h, started))
     assert kinds[-1] == ev.FINISHED and ev.RESTARTED not in kinds
     # the dead node left the job (else the job's end waits until Slurm declares it DOWN)
@@ -127,10 +153,15 @@ def test_a_survivor_without_the_elastic_loop_forces_a_restart(live: Live) -> Non
     assert (started.fields["mode"], started.fields["committed_step"]) == ("restart", 3)
     (done,) = h.of_kind(ev.MIGRATION_DONE)
     assert done.epoch == 1
-    assert {k: done.fields[k] for k in ("resolution", "lost_steps", "recomputed_steps",
-                                        "resumed_step", "failed")} == {
-        "resolution": "checkpoint", "lost_steps": 2, "recomputed_steps": 2, "resumed_step": 1,
-        "failed": ["c2"]}
+    assert {
+        k: done.fields[k] for k in ("resolution", "lost_steps", "recomputed_steps", "resumed_step", "failed")
+    } == {
+        "resolution": "checkpoint",
+        "lost_steps": 2,
+        "recomputed_steps": 2,
+        "resumed_step": 1,
+        "failed": ["c2"],
+    }
 
 
 def test_a_resumed_report_of_an_older_epoch_does_not_close_the_restart(live: Live) -> None:
@@ -155,8 +186,7 @@ def test_recovery_restart_restarts_even_when_every_rank_is_live(live: Live) -> N
     assert all(h.supervisor.steps[n].live for n in ("c1", "c3"))
     assert h.launches()[4:] == [("c1", "active", 1), ("c3", "active", 1)]
     assert sent(h, msg.RECONFIGURE) == []
-    assert [(p["mode"], p["store_addr"], p["store_port"]) for p in h.promotes()] == [
-        ("restart", "c1", 29400)]
+    assert [(p["mode"], p["store_addr"], p["store_port"]) for p in h.promotes()] == [("restart", "c1", 29400)]
     assert [e.fields["mode"] for e in h.of_kind(ev.MIGRATION_STARTED)] == ["restart"]
     assert ev.RESTARTED in h.kinds()
 
@@ -178,13 +208,19 @@ def test_a_failed_collective_with_nobody_lost_regroups_the_same_ranks(live: Live
     (started,) = h.of_kind(ev.MIGRATION_STARTED)
     assert started.epoch == 1
     assert {k: started.fields[k] for k in ("failed", "spares", "committed_step")} == {
-        "failed": [], "spares": [], "committed_step": None}
+        "failed": [],
+        "spares": [],
+        "committed_step": None,
+    }
     assert "a collective failed" in started.fields["detail"]
     (first,) = h.of_kind(ev.FIRST_STEP)
     (done,) = h.of_kind(ev.MIGRATION_DONE)
     assert at_of(h, done) >= at_of(h, first)
     assert {k: done.fields[k] for k in ("resolution", "lost_steps", "failed")} == {
-        "resolution": "regroup", "lost_steps": None, "failed": []}
+        "resolution": "regroup",
+        "lost_steps": None,
+        "failed": [],
+    }
 
 
 def test_two_faults_in_a_row_migrate_live_twice(live: Live) -> None:
@@ -200,16 +236,25 @@ def test_two_faults_in_a_row_migrate_live_twice(live: Live) -> None:
     assert len(h.slurm.launches) == 5
     m = h.supervisor.membership
     assert (m.active, m.spares, m.failed) == (("c1", "c4", "c5"), (), ("c2", "c3"))
-    assert [(e.epoch, e.fields["failed"], e.fields["spares"], e.fields["mode"])
-            for e in h.of_kind(ev.MIGRATION_STARTED)] == [(1, ["c2"], ["c4"], "live"),
-                                                          (2, ["c3"], ["c5"], "live")]
+    assert [
+        (e.epoch, e.fields["failed"], e.fields["spares"], e.fields["mode"])
+        for e in h.of_kind(ev.MIGRATION_STARTED)
+    ] == [(1, ["c2"], ["c4"], "live"), (2, ["c3"], ["c5"], "live")]
     assert [(b["epoch"], to) for to, b in sent(h, msg.RECONFIGURE)] == [
-        (1, "c1/0"), (1, "c3/0"), (2, "c1/0"), (2, "c4/0")]
+        (1, "c1/0"),
+        (1, "c3/0"),
+        (2, "c1/0"),
+        (2, "c4/0"),
+    ]
     assert [(p["to"], p["rank"], p["epoch"], p["mode"]) for p in h.promotes()] == [
-        ("c4/0", 1, 1, "live"), ("c5/0", 2, 2, "live")]
+        ("c4/0", 1, 1, "live"),
+        ("c5/0", 2, 2, "live"),
+    ]
     assert [(e.epoch, e.fields["committed_step"]) for e in h.of_kind(ev.AGREEMENT)] == [(1, 3), (2, 12)]
-    assert [(e.fields["resolution"], e.fields["failed"], e.fields["lost_steps"])
-            for e in h.of_kind(ev.MIGRATION_DONE)] == [("live", ["c2"], 0), ("live", ["c3"], 0)]
+    assert [
+        (e.fields["resolution"], e.fields["failed"], e.fields["lost_steps"])
+        for e in h.of_kind(ev.MIGRATION_DONE)
+    ] == [("live", ["c2"], 0), ("live", ["c3"], 0)]
 
 
 @pytest.mark.parametrize(("epoch", "regroups"), [(0, False), (1, True)])
@@ -246,13 +291,20 @@ def test_a_spare_that_dies_during_its_migration_is_replaced_by_the_next(live: Li
     assert [(e.fields["node"], e.fields["returned"]) for e in h.of_kind(ev.SPARE_ADDED)] == [("c4", True)]
     (crashed,) = [e for e in h.of_kind(ev.STEP_EXITED) if e.fields["exit_code"] != 0]
     assert (crashed.fields["node"], crashed.fields["role"]) == ("c4", "active")
-    assert [(e.epoch, e.fields["failed"], e.fields["spares"], e.fields["mode"])
-            for e in h.of_kind(ev.MIGRATION_STARTED)] == [(1, ["c2"], ["c4"], "live"),
-                                                          (2, ["c4"], ["c5"], "live")]
+    assert [
+        (e.epoch, e.fields["failed"], e.fields["spares"], e.fields["mode"])
+        for e in h.of_kind(ev.MIGRATION_STARTED)
+    ] == [(1, ["c2"], ["c4"], "live"), (2, ["c4"], ["c5"], "live")]
     assert [(p["to"], p["rank"], p["epoch"], p["mode"]) for p in h.promotes()] == [
-        ("c4/0", 1, 1, "live"), ("c5/0", 1, 2, "live")]
+        ("c4/0", 1, 1, "live"),
+        ("c5/0", 1, 2, "live"),
+    ]
     assert [(b["epoch"], to) for to, b in sent(h, msg.RECONFIGURE)] == [
-        (1, "c1/0"), (1, "c3/0"), (2, "c1/0"), (2, "c3/0")]
+        (1, "c1/0"),
+        (1, "c3/0"),
+        (2, "c1/0"),
+        (2, "c3/0"),
+    ]
     (done,) = h.of_kind(ev.MIGRATION_DONE)
     assert (done.epoch, done.fields["resolution"], done.fields["lost_steps"]) == (2, "live", 0)
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.control import messages as msg
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.supervisor.loop import RunState
 
 from .conftest import Harness
@@ -25,7 +25,8 @@ BAD_REPORTS: list[tuple[str, dict[str, Any]]] = [
 
 
 def test_malformed_reports_are_dropped_and_the_job_and_its_log_stay_whole(
-        make: Callable[..., Harness], caplog: pytest.LogCaptureFixture) -> None:
+    make: Callable[..., Harness], caplog: pytest.LogCaptureFixture
+) -> None:
     h = make(active=2, spares=1)
 
     def inject() -> None:

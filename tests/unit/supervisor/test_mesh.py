@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.analysis.report import analyse
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.mesh import MeshLayout
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.supervisor.loop import RunState
 from torchpass_slurm.supervisor.plan import NO_REPLICA
 
@@ -47,8 +47,7 @@ def test_hsdp_that_loses_one_node_migrates_live_from_its_replica(live: Live) -> 
     assert [p["mode"] for p in h.promotes()] == ["live"]
 
 
-def test_pure_fsdp_that_loses_one_node_restarts_from_the_checkpoint_for_want_of_a_replica(
-        live: Live) -> None:
+def test_pure_fsdp_that_loses_one_node_restarts_from_the_checkpoint_for_want_of_a_replica(live: Live) -> None:
     h, ranks = live(active=4)
     ranks.mesh = FSDP
     h.world.go_silent("c2", at=3.0)
@@ -69,8 +68,7 @@ def test_pure_fsdp_that_loses_one_node_restarts_from_the_checkpoint_for_want_of_
     assert fault.as_dict()["fallback"] == NO_REPLICA
 
 
-def test_pure_fsdp_drained_moves_live_as_planned_the_leaving_rank_sends_its_own_shards(
-        live: Live) -> None:
+def test_pure_fsdp_drained_moves_live_as_planned_the_leaving_rank_sends_its_own_shards(live: Live) -> None:
     h, ranks = live(active=4)
     ranks.mesh = FSDP
     h.world.at(3.0, lambda: h.slurm.set_node("c2", "MIXED", "DRAIN", reason="maintenance"))
@@ -97,7 +95,8 @@ BAD_MESHES: list[Any] = [
 
 @pytest.mark.parametrize("bad", BAD_MESHES)
 def test_a_malformed_or_misfitting_mesh_is_refused_and_nothing_changes(
-        live: Live, bad: Any, caplog: pytest.LogCaptureFixture) -> None:
+    live: Live, bad: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     h, ranks = live(active=4)
     ranks.mesh_of["c3"] = bad  # the others report no mesh (DDP)
 

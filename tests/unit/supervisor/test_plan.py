@@ -1,4 +1,5 @@
-"""plan_recovery, the one place recovery is decided: a table over fault class, spares, the elastic loop and the batch host."""
+"""plan_recovery, the one place recovery is decided: a table over fault class, spares, the
+elastic loop and the batch host."""
 
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ def membership(spare: bool) -> Membership:
 
 
 def workers(elastic: bool, *, usable: bool = True) -> dict[str, WorkerFacts]:
-    return {n: WorkerFacts(live=elastic, running=True, usable=usable)
-            for n in (BATCH, OTHER, "n3", "s1")}
+    return {n: WorkerFacts(live=elastic, running=True, usable=usable) for n in (BATCH, OTHER, "n3", "s1")}
 
 
 #: (fault class, a spare is free, every rank on the elastic loop, the fault is on the batch host) -> action
@@ -152,8 +152,9 @@ def test_a_spare_still_receiving_its_state_is_no_replica() -> None:
 
 
 def test_in_place_restarts_are_bounded() -> None:
-    policy = Policy(has_store=True, batch_host=BATCH, in_place_restarts=3, max_in_place_restarts=3,
-                    in_place_moves=3)
+    policy = Policy(
+        has_store=True, batch_host=BATCH, in_place_restarts=3, max_in_place_restarts=3, in_place_moves=3
+    )
 
     plan = plan_recovery([CRASH], membership(False), workers(True), policy)
 
@@ -169,10 +170,14 @@ def test_a_crash_on_a_node_slurm_calls_unusable_gives_up_without_a_spare() -> No
     assert plan.action == Action.GIVE_UP
 
 
-@pytest.mark.parametrize("policy", [
-    Policy(recovery=RecoveryPolicy.RESTART, has_store=True, batch_host=BATCH),
-    Policy(recovery=RecoveryPolicy.LIVE, has_store=False, batch_host=BATCH),
-], ids=["--recovery restart", "no rendezvous store"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        Policy(recovery=RecoveryPolicy.RESTART, has_store=True, batch_host=BATCH),
+        Policy(recovery=RecoveryPolicy.LIVE, has_store=False, batch_host=BATCH),
+    ],
+    ids=["--recovery restart", "no rendezvous store"],
+)
 def test_without_live_migration_a_lost_node_restarts_on_the_spare(policy: Policy) -> None:
     plan = plan_recovery([FAULTS["unplanned"](OTHER)], membership(True), workers(True), policy)
 
@@ -197,11 +202,14 @@ def test_a_lost_spare_is_dropped() -> None:
 
 
 def test_a_drained_spare_is_dropped_with_its_reason() -> None:
-    plan = plan_recovery([Fault("s1", Detector.DRAIN, "bad dimm")], membership(True), workers(True),
-                         POLICY)
+    plan = plan_recovery([Fault("s1", Detector.DRAIN, "bad dimm")], membership(True), workers(True), POLICY)
 
     assert (plan.action, plan.dropped, plan.stop, plan.detail) == (
-        Action.DROP_SPARE, ("s1",), (), "drained: bad dimm")
+        Action.DROP_SPARE,
+        ("s1",),
+        (),
+        "drained: bad dimm",
+    )
 
 
 def test_a_failed_collective_with_nobody_lost_regroups_the_same_members() -> None:
@@ -214,8 +222,10 @@ def test_a_failed_collective_with_nobody_lost_regroups_the_same_members() -> Non
 
 
 def test_a_failed_collective_and_a_lost_spare_regroup_in_one_epoch() -> None:
-    faults = [Fault("s1", Detector.HEARTBEAT_LOST, "s1 went silent"),
-              Fault(BATCH, Detector.COLLECTIVE_FAILED, "rank 0 on b: a collective failed")]
+    faults = [
+        Fault("s1", Detector.HEARTBEAT_LOST, "s1 went silent"),
+        Fault(BATCH, Detector.COLLECTIVE_FAILED, "rank 0 on b: a collective failed"),
+    ]
 
     plan = plan_recovery(faults, membership(True), workers(True), POLICY)
 
@@ -224,8 +234,10 @@ def test_a_failed_collective_and_a_lost_spare_regroup_in_one_epoch() -> None:
 
 
 def test_a_node_lost_with_a_failed_collective_migrates_live() -> None:
-    faults = [FAULTS["unplanned"](OTHER),
-              Fault(BATCH, Detector.COLLECTIVE_FAILED, "rank 0 on b: a collective failed")]
+    faults = [
+        FAULTS["unplanned"](OTHER),
+        Fault(BATCH, Detector.COLLECTIVE_FAILED, "rank 0 on b: a collective failed"),
+    ]
 
     plan = plan_recovery(faults, membership(True), workers(True), POLICY)
 
@@ -234,11 +246,14 @@ def test_a_node_lost_with_a_failed_collective_migrates_live() -> None:
 
 def test_two_nodes_lost_at_once_take_two_spares_in_one_epoch() -> None:
     m = Membership(3, 1, ("a", "b", "c"), ("s1", "s2"))
-    faults = [Fault("c", Detector.NODE_DOWN, "Slurm reports c DOWN"),
-              Fault("a", Detector.NODE_GONE, "Slurm no longer lists a in job 7")]
+    faults = [
+        Fault("c", Detector.NODE_DOWN, "Slurm reports c DOWN"),
+        Fault("a", Detector.NODE_GONE, "Slurm no longer lists a in job 7"),
+    ]
 
-    plan = plan_recovery(faults, m, {n: WorkerFacts(True, True, True) for n in "abc"},
-                         Policy(has_store=True, batch_host="x"))
+    plan = plan_recovery(
+        faults, m, {n: WorkerFacts(True, True, True) for n in "abc"}, Policy(has_store=True, batch_host="x")
+    )
 
     assert (plan.action, plan.promoted) == (Action.LIVE, ("s1", "s2"))
     assert plan.membership == Membership(4, 1, ("s2", "b", "s1"), (), ("c", "a"))
@@ -247,8 +262,10 @@ def test_two_nodes_lost_at_once_take_two_spares_in_one_epoch() -> None:
 
 def test_one_spare_for_two_losses_gives_up_naming_the_loss_without_a_spare() -> None:
     m = Membership(0, 1, ("a", "b", "c"), ("s1",))
-    faults = [Fault("b", Detector.NODE_DOWN, "Slurm reports b DOWN"),
-              Fault("c", Detector.NODE_DOWN, "Slurm reports c DOWN")]
+    faults = [
+        Fault("b", Detector.NODE_DOWN, "Slurm reports b DOWN"),
+        Fault("c", Detector.NODE_DOWN, "Slurm reports c DOWN"),
+    ]
 
     plan = plan_recovery(faults, m, {}, Policy(has_store=True, batch_host="a"))
 
@@ -274,11 +291,16 @@ def test_a_drain_of_a_node_whose_own_ranks_are_not_on_the_elastic_loop_is_deferr
 
 def test_a_stalled_recovery_restarts_every_rank_in_place_until_the_limit() -> None:
     m = membership(spare=True)
-    stalled = Fault(BATCH, Detector.RECOVERY_STALLED, "the recovery to epoch 0 has not reached its first step")
+    stalled = Fault(
+        BATCH, Detector.RECOVERY_STALLED, "the recovery to epoch 0 has not reached its first step"
+    )
 
     plan = plan_recovery([stalled], m, workers(True), POLICY)
     assert (plan.action, plan.membership.active, plan.membership.epoch) == (
-        Action.RESTART_IN_PLACE, m.active, 1)
+        Action.RESTART_IN_PLACE,
+        m.active,
+        1,
+    )
     assert plan.lost == () and plan.stop == ()  # nobody is lost: everyone restarts
 
     exhausted = Policy(recovery=RecoveryPolicy.LIVE, has_store=True, batch_host=BATCH, in_place_restarts=3)
@@ -311,8 +333,13 @@ OUTLIVED_TABLE = [
 
 def rank_fault(how: str) -> Fault:
     detector, evidence = RANK_FAULTS[how]
-    return Fault(OTHER, detector, f"n2: {how}", exit_code=137 if detector == Detector.STEP_EXITED else None,
-                 evidence=evidence)
+    return Fault(
+        OTHER,
+        detector,
+        f"n2: {how}",
+        exit_code=137 if detector == Detector.STEP_EXITED else None,
+        evidence=evidence,
+    )
 
 
 def test_the_outlived_table_covers_every_combination() -> None:
@@ -321,7 +348,8 @@ def test_the_outlived_table_covers_every_combination() -> None:
 
 @pytest.mark.parametrize(("how", "usable", "returned", "in_place"), OUTLIVED_TABLE)
 def test_a_node_that_outlived_its_ranks_fault_serves_the_job_again(
-        how: str, usable: bool, returned: bool, in_place: bool) -> None:
+    how: str, usable: bool, returned: bool, in_place: bool
+) -> None:
     """Issue 24, item 4: with a spare, a node that lost only its rank goes back to the pool
     (never released); without one, it is its own spare, after a hang as after a crash. A node
     that may be gone or cut off is neither."""
@@ -356,14 +384,21 @@ def test_a_dead_node_with_no_spare_holds_the_step_while_the_pool_can_refill() ->
     assert "holding the committed step for up to 300 s" in plan.detail
 
 
-@pytest.mark.parametrize(("why", "facts", "policy"), [
-    ("no time left to wait (or a pool that cannot refill)", workers(True), POLICY),
-    ("a survivor off the elastic loop", workers(False), HOLDING),
-    ("pure FSDP: no replica of the lost shard",
-     workers(True), dataclasses.replace(HOLDING, layout=MeshLayout(("shard",), (6,), replicate=None))),
-])
+@pytest.mark.parametrize(
+    ("why", "facts", "policy"),
+    [
+        ("no time left to wait (or a pool that cannot refill)", workers(True), POLICY),
+        ("a survivor off the elastic loop", workers(False), HOLDING),
+        (
+            "pure FSDP: no replica of the lost shard",
+            workers(True),
+            dataclasses.replace(HOLDING, layout=MeshLayout(("shard",), (6,), replicate=None)),
+        ),
+    ],
+)
 def test_a_dead_node_with_no_spare_ends_the_job_when_holding_cannot_help(
-        why: str, facts: dict[str, WorkerFacts], policy: Policy) -> None:
+    why: str, facts: dict[str, WorkerFacts], policy: Policy
+) -> None:
     plan = plan_recovery([DEAD], membership(False), facts, policy)
 
     assert plan.action == Action.GIVE_UP, why
@@ -374,8 +409,9 @@ def test_a_crash_with_no_spare_moves_in_place_before_it_would_hold_and_holds_aft
     first = plan_recovery([CRASH], membership(False), workers(True), HOLDING)
     moved = dataclasses.replace(HOLDING, in_place_moves=3)
     again = plan_recovery([CRASH], membership(False), workers(True), moved)
-    spent = plan_recovery([CRASH], membership(False), workers(True),
-                          dataclasses.replace(moved, in_place_restarts=3))
+    spent = plan_recovery(
+        [CRASH], membership(False), workers(True), dataclasses.replace(moved, in_place_restarts=3)
+    )
 
     assert first.action == Action.LIVE and first.promoted == (OTHER,)
     assert again.action == Action.RESTART_IN_PLACE

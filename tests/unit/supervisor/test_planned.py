@@ -1,4 +1,5 @@
-"""Planned migration (an admin drain) and pre-emptive migration (a health warning): the node hands over and leaves.
+"""Planned migration (an admin drain) and pre-emptive migration (a health warning): the node
+hands over and leaves.
 
 The rank side is :class:`~.fakes.ElasticRanks`: the ranks of the drained
 node report ``released`` and their step exits 0; the others rebuild the group
@@ -10,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.control import messages as msg
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.supervisor.loop import RunState
 
 from .conftest import CONFIG, JOB_ID, STORE, TRAIN_S, Harness, Live, at_of, sent
@@ -20,8 +21,7 @@ from .fakes import ElasticRanks
 DRAIN_REASON = "firmware update"
 
 
-def test_a_drained_node_hands_over_to_the_spare_at_a_step_boundary_and_leaves_the_job(
-        live: Live) -> None:
+def test_a_drained_node_hands_over_to_the_spare_at_a_step_boundary_and_leaves_the_job(live: Live) -> None:
     h, _ = live(ntasks=2)
     h.world.at(3.0, lambda: h.slurm.set_node("c2", "MIXED", "DRAIN", reason=DRAIN_REASON))
 
@@ -36,34 +36,46 @@ def test_a_drained_node_hands_over_to_the_spare_at_a_step_boundary_and_leaves_th
     (started,) = h.of_kind(ev.MIGRATION_STARTED)
     assert started.epoch == 1 and at_of(h, started) >= at_of(h, seen)
     assert {k: started.fields[k] for k in ("failed", "spares", "mode", "reason")} == {
-        "failed": ["c2"], "spares": ["c4"], "mode": "planned", "reason": DRAIN_REASON}
+        "failed": ["c2"],
+        "spares": ["c4"],
+        "mode": "planned",
+        "reason": DRAIN_REASON,
+    }
     # the switch is announced ahead: a step each virtual second, so the lead of
     # CONFIG.switch_lead (1 s) is one step, plus one
     assert started.fields["switch_after"] == started.fields["committed_step"] + 2
     # every rank of epoch 0 is told; the drained node's ranks (2, 3) are told to leave
-    planned = {"epoch": 1, "world_size": 6, "store_addr": "c1", "store_port": 29400,
-               "planned": True, "leave": [2, 3], "switch_after": started.fields["switch_after"]}
-    assert sent(h, msg.RECONFIGURE) == [(f"{n}/{i}", planned) for n in ("c1", "c2", "c3")
-                                        for i in range(2)]
+    planned = {
+        "epoch": 1,
+        "world_size": 6,
+        "store_addr": "c1",
+        "store_port": 29400,
+        "planned": True,
+        "leave": [2, 3],
+        "switch_after": started.fields["switch_after"],
+    }
+    assert sent(h, msg.RECONFIGURE) == [(f"{n}/{i}", planned) for n in ("c1", "c2", "c3") for i in range(2)]
     assert [(p["to"], p["rank"], p["mode"]) for p in h.promotes()] == [
-        ("c4/0", 2, "live"), ("c4/1", 3, "live")]
+        ("c4/0", 2, "live"),
+        ("c4/1", 3, "live"),
+    ]
     assert [e.fields["rank"] for e in h.of_kind("released")] == [2, 3]
     (released,) = h.of_kind(ev.NODE_RELEASED)
     assert released.fields == {"node": "c2", "released": True, "reason": "drained"}
     assert h.slurm.shrinks == [["c1", "c3", "c4"]]
     (done,) = h.of_kind(ev.MIGRATION_DONE)
-    assert {k: done.fields[k] for k in ("resolution", "planned", "lost_steps", "recomputed_steps",
-                                        "failed")} == {
-        "resolution": "live", "planned": True, "lost_steps": 0, "recomputed_steps": 0,
-        "failed": ["c2"]}
+    assert {
+        k: done.fields[k] for k in ("resolution", "planned", "lost_steps", "recomputed_steps", "failed")
+    } == {"resolution": "live", "planned": True, "lost_steps": 0, "recomputed_steps": 0, "failed": ["c2"]}
     assert h.stopped_senders() == []  # the drained node's tasks left on their own; no spare left to stop
     assert next(n for n in h.status().nodes if n.node == "c2").role == "released"
 
 
 def test_a_health_warning_drains_the_node_and_its_drain_moves_it_to_the_spare(live: Live) -> None:
     h, _ = live()
-    h.world.report("c3", "health_warning", at=3.0, status="WARNING",
-                   summary="GPU 0: 40 corrected ECC errors in 60 s")
+    h.world.report(
+        "c3", "health_warning", at=3.0, status="WARNING", summary="GPU 0: 40 corrected ECC errors in 60 s"
+    )
 
     result = h.run()
 
@@ -71,14 +83,20 @@ def test_a_health_warning_drains_the_node_and_its_drain_moves_it_to_the_spare(li
     reason = "torchpass: pre-emptive: WARNING: GPU 0: 40 corrected ECC errors in 60 s"
     assert h.slurm.drains == [("c3", reason)]
     (warning,) = h.of_kind(ev.HEALTH_WARNING)
-    assert warning.fields == {"node": "c3", "status": "WARNING",
-                              "summary": "GPU 0: 40 corrected ECC errors in 60 s"}
+    assert warning.fields == {
+        "node": "c3",
+        "status": "WARNING",
+        "summary": "GPU 0: 40 corrected ECC errors in 60 s",
+    }
     (seen,) = h.of_kind(ev.DRAIN_SEEN)
     assert seen.fields == {"node": "c3", "reason": reason}
     assert at_of(h, warning) <= at_of(h, seen)
     (started,) = h.of_kind(ev.MIGRATION_STARTED)
     assert (started.fields["mode"], started.fields["failed"], started.fields["reason"]) == (
-        "planned", ["c3"], reason)
+        "planned",
+        ["c3"],
+        reason,
+    )
     assert h.supervisor.membership.active == ("c1", "c2", "c4")
     assert [e.fields["resolution"] for e in h.of_kind(ev.MIGRATION_DONE)] == ["live"]
     assert h.slurm.shrinks == [["c1", "c2", "c4"]]
@@ -167,7 +185,8 @@ def test_a_drain_waits_until_a_recovery_in_flight_is_done(live: Live) -> None:
 
 
 def test_a_drain_too_late_for_its_switch_is_closed_deferred_when_the_training_ends(
-        make: Callable[..., Harness]) -> None:
+    make: Callable[..., Harness],
+) -> None:
     """The campaign's drains seen in a job's last steps: the ranks finished before any switched,
     and the spare waited for a group that never formed until the recovery stalled."""
     h = make(train_s=TRAIN_S, store=STORE)
@@ -181,10 +200,17 @@ def test_a_drain_too_late_for_its_switch_is_closed_deferred_when_the_training_en
     assert h.of_kind("released") == []  # nobody switched
     (started,) = h.of_kind(ev.MIGRATION_STARTED)
     (done,) = h.of_kind(ev.MIGRATION_DONE)
-    assert {k: done.fields[k] for k in ("resolution", "planned", "lost_steps", "recomputed_steps",
-                                        "failed", "detail")} == {
-        "resolution": "deferred", "planned": True, "lost_steps": 0, "recomputed_steps": 0,
-        "failed": ["c2"], "detail": "the training ended before the switch step"}
+    assert {
+        k: done.fields[k]
+        for k in ("resolution", "planned", "lost_steps", "recomputed_steps", "failed", "detail")
+    } == {
+        "resolution": "deferred",
+        "planned": True,
+        "lost_steps": 0,
+        "recomputed_steps": 0,
+        "failed": ["c2"],
+        "detail": "the training ended before the switch step",
+    }
     assert at_of(h, done) - at_of(h, started) < 3  # not a stalled recovery's 60 s
     assert h.of_kind(ev.FINISHED) and not h.of_kind("recovery_stalled")
     assert h.supervisor.membership.active == ("c1", "c4", "c3")
@@ -202,6 +228,7 @@ def test_a_node_release_that_blocks_for_seconds_declares_nobody_silent(live: Liv
     def blocked(job_id: int, keep_nodes: Any) -> None:
         h.clock.advance(CONFIG.heartbeat_timeout + 1.0)  # the loop waits on scontrol meanwhile
         shrink(job_id, keep_nodes)
+
     h.slurm.shrink_job = blocked  # type: ignore[method-assign]
 
     result = h.run()

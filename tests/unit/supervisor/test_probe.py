@@ -117,7 +117,9 @@ def test_addresses_of_the_job_nodes_map_back_to_their_names() -> None:
 
 
 def test_settings_come_from_the_environment_with_clear_errors() -> None:
-    config = SupervisorConfig.from_env({"TORCHPASS_HEARTBEAT_INTERVAL": "0.5", "TORCHPASS_PROBE_PORT": "7000"})
+    config = SupervisorConfig.from_env(
+        {"TORCHPASS_HEARTBEAT_INTERVAL": "0.5", "TORCHPASS_PROBE_PORT": "7000"}
+    )
     assert (config.heartbeat_interval, config.probe_port) == (0.5, 7000)
     assert SupervisorConfig.from_env({}) == SupervisorConfig()
     with pytest.raises(ConfigError, match="TORCHPASS_PROBE_PORT='x' is not an integer"):

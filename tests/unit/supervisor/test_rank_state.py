@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.control.bodies import Promote
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.supervisor.loop import RunState
 from torchpass_slurm.supervisor.rankstates import RankStates
 
@@ -23,7 +23,7 @@ def loader(position: int) -> dict[str, Any]:
 
 def send_copy(h: Harness, sender: str, step: int, *, rank: int | None = None) -> None:
     """What ``RankState.publish`` sends from task ``sender`` (its own rank unless ``rank``)."""
-    node, local = sender.split("/")
+    node, _local = sender.split("/")
     sim = h.world.current[node]
     own = h.world.rank_of(sim, sender)
     body = {"rank": own if rank is None else rank, "step": step, "state": loader(step * 10)}
@@ -96,6 +96,7 @@ def test_a_planned_move_promotes_once_the_leaving_rank_sent_its_last_copy(live: 
     def switch_copy(peer: bytes, message: msg.Message) -> None:  # the leaver trains on to the switch
         if message.kind == msg.RECONFIGURE and peer.startswith(b"c2/0"):
             h.world.at(h.clock.elapsed + 0.2, lambda: send_copy(h, "c2/0", 9))
+
     h.server.on_send.append(switch_copy)
     h.world.at(3.0, lambda: h.slurm.set_node("c2", "MIXED", "DRAIN", reason="maintenance"))
 
@@ -122,7 +123,8 @@ def test_rank_states_keep_the_last_two_copies_and_a_lower_tag_replaces_the_later
 
 
 def test_a_planned_move_promotes_on_the_leavers_copy_of_the_switch_step_before_it_released(
-        live: Live) -> None:
+    live: Live,
+) -> None:
     """A sharded leaving rank reports ``released`` only after it handed its shards to the spare,
     which needs the promotion: the promotion must not wait for ``released``, only for the copy."""
     h, ranks = live()
@@ -137,6 +139,7 @@ def test_a_planned_move_promotes_on_the_leavers_copy_of_the_switch_step_before_i
             h.world.at(h.clock.elapsed + 0.2, lambda: send_copy(h, "c2/0", switch))
         elif message.kind == msg.PROMOTE:  # the spare is in: the leaver hands over, then leaves
             h.world.at(h.clock.elapsed + 0.3, lambda: [leave(*w) for w in waiting])
+
     h.server.on_send.append(on_send)
     h.world.at(3.0, lambda: h.slurm.set_node("c2", "MIXED", "DRAIN", reason="maintenance"))
 

@@ -62,5 +62,3 @@ def test_a_report_ends_the_pass_at_once() -> None:
 def test_a_quiet_pass_is_one_poll_of_the_whole_slice() -> None:
     server, taken, spent = run([], step=1.0)
     assert (taken, server.polls, spent) == ([], 1, POLL_SLICE.total_seconds())
-
-

@@ -26,32 +26,52 @@ def test_a_crashed_rank_is_replaced_by_the_spare(make: Callable[..., Harness], n
     m = h.supervisor.membership
     assert (m.active, m.spares, m.failed) == (("c1", "c4", "c3"), (), ("c2",))
     assert h.promotes() == [
-        {"to": f"c4/{i}", "rank": ntasks + i, "local_rank": i, "world_size": 3 * ntasks,
-         "master_addr": "c1", "master_port": master_port(JOB_ID, 1), "epoch": 1,
-         # no rendezvous store in these tests: the restart path, rank 0 hosts the rendezvous
-         "mode": "restart", "store_addr": "", "store_port": 0}
-        for i in range(ntasks)]
+        {
+            "to": f"c4/{i}",
+            "rank": ntasks + i,
+            "local_rank": i,
+            "world_size": 3 * ntasks,
+            "master_addr": "c1",
+            "master_port": master_port(JOB_ID, 1),
+            "epoch": 1,
+            # no rendezvous store in these tests: the restart path, rank 0 hosts the rendezvous
+            "mode": "restart",
+            "store_addr": "",
+            "store_port": 0,
+        }
+        for i in range(ntasks)
+    ]
     assert h.launches()[4:] == [("c1", "active", 1), ("c3", "active", 1)]
-    relaunched = {l.node: l.env for l in h.slurm.launches[4:]}
+    relaunched = {launch.node: launch.env for launch in h.slurm.launches[4:]}
     assert relaunched["c3"][cfg.ENV_RANK_BASE] == str(2 * ntasks)
     assert relaunched["c3"]["MASTER_PORT"] == str(master_port(JOB_ID, 1))
-    old = {l.node: l.process for l in h.slurm.launches[:4]}
+    old = {launch.node: launch.process for launch in h.slurm.launches[:4]}
     assert old["c1"].signals == old["c3"].signals == [signal.SIGTERM]  # epoch 0 survivors stopped
-    assert h.launcher.stops[:2] == [(["c2"], CONFIG.lost_stop_timeout),
-                                    (["c1", "c3"], CONFIG.stop_timeout)]
+    assert h.launcher.stops[:2] == [(["c2"], CONFIG.lost_stop_timeout), (["c1", "c3"], CONFIG.stop_timeout)]
 
     kinds = h.kinds()
     fault_at = kinds.index("step_exited")
-    assert kinds[fault_at:fault_at + 4] == ["step_exited", "spare_promoted", "migration_started",
-                                            "restarted"]
-    fault, promoted, started, restarted = h.events()[fault_at:fault_at + 4]
-    assert fault.fields == {"node": "c2", "role": "active", "detector": "step_exited",
-                            "exit_code": 137, "detail": "srun step on c2 exited with status 137",
-                            # its peers are not elastic (their steps exit too): judged by settling
-                            "evidence": "settled"}
+    assert kinds[fault_at : fault_at + 4] == [
+        "step_exited",
+        "spare_promoted",
+        "migration_started",
+        "restarted",
+    ]
+    fault, promoted, started, restarted = h.events()[fault_at : fault_at + 4]
+    assert fault.fields == {
+        "node": "c2",
+        "role": "active",
+        "detector": "step_exited",
+        "exit_code": 137,
+        "detail": "srun step on c2 exited with status 137",
+        # its peers are not elastic (their steps exit too): judged by settling
+        "evidence": "settled",
+    }
     assert fault.ts - h.clock.WALL0 >= 3.0 + CONFIG.fault_settle  # blamed only after the settle
-    assert (promoted.epoch, promoted.fields) == (1, {"node": "c4", "replaces": "c2",
-                                                     "ranks": list(range(ntasks, 2 * ntasks))})
+    assert (promoted.epoch, promoted.fields) == (
+        1,
+        {"node": "c4", "replaces": "c2", "ranks": list(range(ntasks, 2 * ntasks))},
+    )
     assert (started.epoch, started.fields["mode"], started.fields["failed"]) == (1, "restart", ["c2"])
     assert (restarted.epoch, restarted.fields["restarts"]) == (1, 1)
     assert restarted.fields["active"] == ["c1", "c4", "c3"]
@@ -139,16 +159,14 @@ def test_a_spare_that_never_reports_is_dropped(make: Callable[..., Harness]) -> 
     assert h.supervisor.membership.spares == ()
 
 
-def test_a_crash_with_no_spare_left_restarts_every_rank_in_place(
-        make: Callable[..., Harness]) -> None:
+def test_a_crash_with_no_spare_left_restarts_every_rank_in_place(make: Callable[..., Harness]) -> None:
     """The rank process died but Slurm still calls its node usable: restart from the checkpoint."""
     h = make(active=3, spares=0)
     h.world.crash("c2", 137, at=3.0)
 
     result = h.run()
 
-    assert (result.state, result.exit_code, result.restarts, result.epoch) == \
-        (RunState.SUCCEEDED, 0, 1, 1)
+    assert (result.state, result.exit_code, result.restarts, result.epoch) == (RunState.SUCCEEDED, 0, 1, 1)
     assert h.launches()[3:] == [("c1", "active", 1), ("c2", "active", 1), ("c3", "active", 1)]
     started = h.of_kind("migration_started")[0]
     assert (started.fields["mode"], started.fields["failed"]) == ("restart-in-place", ["c2"])
@@ -166,8 +184,10 @@ def test_a_second_fault_uses_the_second_spare(make: Callable[..., Harness]) -> N
 
     assert (result.state, result.epoch, result.restarts) == (RunState.SUCCEEDED, 2, 2)
     assert h.supervisor.membership.active == ("c3", "c4")
-    assert [(p["to"], p["rank"], p["epoch"], p["master_addr"]) for p in h.promotes()] == \
-        [("c3/0", 0, 1, "c3"), ("c4/0", 1, 2, "c3")]
+    assert [(p["to"], p["rank"], p["epoch"], p["master_addr"]) for p in h.promotes()] == [
+        ("c3/0", 0, 1, "c3"),
+        ("c4/0", 1, 2, "c3"),
+    ]
 
 
 def test_a_dead_node_without_spare_fails_with_status_1(make: Callable[..., Harness]) -> None:
@@ -228,10 +248,15 @@ def test_a_promoted_spare_is_up_only_when_every_task_said_hello(make: Callable[.
         t = h.clock.elapsed
 
         def last_standby_beat_and_one_hello() -> None:
-            h.server.inject(b"c3/1#1", "c3/1", msg.HEARTBEAT,
-                            {"rank": None, "step": None, "state": "standby"})
-            h.server.inject(b"c3/0#1", "c3/0", msg.HELLO, {
-                "node": "c3", "rank": 2, "local_rank": 0, "role": "active", "pid": 1, "epoch": 1})
+            h.server.inject(
+                b"c3/1#1", "c3/1", msg.HEARTBEAT, {"rank": None, "step": None, "state": "standby"}
+            )
+            h.server.inject(
+                b"c3/0#1",
+                "c3/0",
+                msg.HELLO,
+                {"node": "c3", "rank": 2, "local_rank": 0, "role": "active", "pid": 1, "epoch": 1},
+            )
 
         h.world.at(t + 1.0, last_standby_beat_and_one_hello)
         h.world.at(t + 2.0, lambda: seen.append(h.supervisor.steps["c3"].state.value))

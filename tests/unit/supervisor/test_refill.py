@@ -8,11 +8,12 @@ expansion runs on the dev cluster (``tests/cluster/test_spare_pool.py``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 
-from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.errors import SlurmError
+from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.slurm.steps import EXPANDED_NODE_UNSET
 from torchpass_slurm.supervisor.loop import RunState
 from torchpass_slurm.supervisor.refill import UNNOTICED_FACTOR
@@ -67,7 +68,7 @@ def test_a_refusal_is_logged_and_the_pool_asks_again_later(live: Live) -> None:
     refused = h.of_kind(ev.SPARE_REFUSED)
     assert refused and "Unable to allocate resources" in refused[0].fields["error"]
     requests = [at_of(h, e) for e in h.of_kind(ev.SPARE_REQUESTED)]
-    assert all(b - a >= CONFIG.refill_retry for a, b in zip(requests, requests[1:], strict=False))
+    assert all(b - a >= CONFIG.refill_retry for a, b in itertools.pairwise(requests))
     if h.slurm.expansions[-1]:  # the training may end before the retry
         assert h.of_kind(ev.SPARE_ADDED)[0].fields["node"] == "c5"
 
@@ -331,8 +332,9 @@ def test_a_lost_node_slurm_would_not_release_rejoins_in_place_when_it_never_went
     h, ranks = live(refill=True, probe=True)
     assert h.probe is not None
     wait_thread(h)
-    h.slurm.shrink_error = SlurmError("Job update not available right now, the DB index is being set, "
-                                      "try again in a bit for job 4242")
+    h.slurm.shrink_error = SlurmError(
+        "Job update not available right now, the DB index is being set, try again in a bit for job 4242"
+    )
     h.slurm.slurmd_timeout = "60 sec"
     h.slurm.started.update({n: h.clock.time() for n in ("c2", "c3")})
     h.slurm.idle = []
@@ -353,7 +355,9 @@ def test_a_lost_node_slurm_would_not_release_rejoins_in_place_when_it_never_went
 
     assert result.state == RunState.SUCCEEDED
     assert {e.fields["node"]: e.fields["released"] for e in h.of_kind(ev.NODE_RELEASED)} == {
-        "c2": False, "c3": False}
+        "c2": False,
+        "c3": False,
+    }
     added = [(e.fields["node"], e.fields.get("in_job")) for e in h.of_kind(ev.SPARE_ADDED)]
     assert added == [("c2", True)], added
     assert all(e == () for e in h.slurm.expansions)

@@ -13,10 +13,12 @@ from torchpass_slurm.supervisor.loop import RunState
 from .conftest import CONFIG, Harness
 
 
-@pytest.mark.parametrize("state, flags", [("DOWN", ()), ("ALLOCATED", ("NOT_RESPONDING",)),
-                                          ("MIXED", ("FAIL",))])
-def test_a_node_slurm_reports_bad_is_replaced(make: Callable[..., Harness], state: str,
-                                              flags: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    "state, flags", [("DOWN", ()), ("ALLOCATED", ("NOT_RESPONDING",)), ("MIXED", ("FAIL",))]
+)
+def test_a_node_slurm_reports_bad_is_replaced(
+    make: Callable[..., Harness], state: str, flags: tuple[str, ...]
+) -> None:
     h = make(active=3, spares=1)
     h.world.at(3.0, lambda: h.slurm.set_node("c3", state, *flags))
 
@@ -78,8 +80,9 @@ def test_slurm_is_polled_at_the_configured_interval(make: Callable[..., Harness]
     assert expected - 1 <= h.slurm.queries <= expected + 1
 
 
-def test_a_failing_watcher_does_not_kill_the_job(make: Callable[..., Harness],
-                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failing_watcher_does_not_kill_the_job(
+    make: Callable[..., Harness], caplog: pytest.LogCaptureFixture
+) -> None:
     h = make(active=3, spares=1)
     h.slurm.error = SlurmCommandError(["squeue", "--json"], 1, "slurm_load_jobs error: Socket timed out")
 
@@ -88,5 +91,6 @@ def test_a_failing_watcher_does_not_kill_the_job(make: Callable[..., Harness],
 
     assert (result.state, result.exit_code, result.restarts) == (RunState.SUCCEEDED, 0, 0)
     assert h.slurm.queries > 3
-    assert any("Slurm watcher" in r.getMessage() and "Socket timed out" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "Slurm watcher" in r.getMessage() and "Socket timed out" in r.getMessage() for r in caplog.records
+    )

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.unit.processes import gone_within
-from torchpass_slurm.supervisor.store_host import StoreHost
 from torchpass_slurm.control.secret import create_secret, load_secret
+from torchpass_slurm.supervisor.store_host import StoreHost
 
 TIMEOUT = datetime.timedelta(seconds=20)
 

@@ -34,8 +34,9 @@ def decoded_kinds(h: Harness) -> Counter[str]:
     guard = m.ReplayGuard()
     for sent in h.server.injected:
         frames = m.encode(sent, SECRET)
-        msg = m.decode(frames, SECRET, allowed=m.WORKER_KINDS, guard=guard, now=sent.ts,
-                       recipient=m.SUPERVISOR)
+        msg = m.decode(
+            frames, SECRET, allowed=m.WORKER_KINDS, guard=guard, now=sent.ts, recipient=m.SUPERVISOR
+        )
         assert msg == sent
         typed = m.BODY_TYPES[msg.kind].from_body(msg.body)  # the class decode checks it with
         assert typed.to_body() == dict(msg.body)  # nothing lost or added on the way
@@ -57,8 +58,14 @@ def test_a_live_migration_speaks_only_what_decode_accepts(live: Live) -> None:
 
     seen = decoded_kinds(h)
     assert {Kind.HELLO, Kind.HEARTBEAT, Kind.STANDBY} <= set(seen)
-    assert {ReportKind.LIVE_READY, ReportKind.COLLECTIVE_FAILED, ReportKind.GROUP_REBUILT,
-            ReportKind.AGREEMENT, ReportKind.TRANSFER_DONE, ReportKind.FIRST_STEP} <= set(seen)
+    assert {
+        ReportKind.LIVE_READY,
+        ReportKind.COLLECTIVE_FAILED,
+        ReportKind.GROUP_REBUILT,
+        ReportKind.AGREEMENT,
+        ReportKind.TRANSFER_DONE,
+        ReportKind.FIRST_STEP,
+    } <= set(seen)
 
 
 def test_a_pre_emptive_drain_speaks_only_what_decode_accepts(live: Live) -> None:
@@ -77,16 +84,20 @@ def test_per_node_heartbeats_carry_typed_task_beats(make: Callable[..., Harness]
     assert h.run().state == RunState.SUCCEEDED
 
     decoded_kinds(h)
-    relayed = [Heartbeat.from_body(s.body) for s in h.server.injected
-               if s.kind == Kind.HEARTBEAT and "tasks" in s.body]
+    relayed = [
+        Heartbeat.from_body(s.body)
+        for s in h.server.injected
+        if s.kind == Kind.HEARTBEAT and "tasks" in s.body
+    ]
     assert relayed and all(b.tasks for b in relayed)
     assert {t.local_rank for b in relayed for t in b.tasks or ()} == {1, 2}
     assert all(t.alive is True for b in relayed for t in b.tasks or ())
 
 
 @pytest.mark.parametrize("event", ["agreement", "no_such_event"])
-def test_a_deliberately_malformed_report_is_counted_not_hidden(make: Callable[..., Harness],
-                                                               event: str) -> None:
+def test_a_deliberately_malformed_report_is_counted_not_hidden(
+    make: Callable[..., Harness], event: str
+) -> None:
     """The fake still sends a malformed report a test asks for (the supervisor must drop it),
     and says so, so that the contract above can tell it from drift."""
     h = make(active=2, spares=1)
