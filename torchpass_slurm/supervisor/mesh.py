@@ -39,8 +39,7 @@ def accept_mesh(job: JobState, events: ev.EventLog, node: str, report: Report) -
         return True
     why = mesh_refusal(job.layout, mesh, job.membership.world_size)
     if why is not None:
-        rank = report.fields.get("rank")
-        logger.warning("refused the mesh %s of rank %s on %s: %s", mesh.to_json(), rank, node, why)
+        logger.warning("refused the mesh %s of rank %s on %s: %s", mesh.to_json(), report.rank, node, why)
         return False
     if job.layout is None:
         job.layout = mesh
