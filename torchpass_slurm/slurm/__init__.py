@@ -36,7 +36,7 @@ from torchpass_slurm.slurm.runner import (
     default_timeout,
 )
 from torchpass_slurm.slurm.scontrol_text import parse_scontrol_job, parse_scontrol_nodes
-from torchpass_slurm.slurm.steps import srun_argv, step_env
+from torchpass_slurm.slurm.steps import StepRequest, srun_argv, step_env
 
 __all__ = [
     "BACKEND_ENV",
@@ -61,6 +61,7 @@ __all__ = [
     "parse_version",
     "pyslurm_matches",
     "select_backend",
+    "StepRequest",
     "srun_argv",
     "step_env",
 ]

@@ -28,6 +28,7 @@ from torchpass_slurm.errors import ConfigError, SlurmError
 from torchpass_slurm.slurm.cli_backend import CliSlurm
 from torchpass_slurm.slurm.models import Job, Node, SlurmVersion
 from torchpass_slurm.slurm.runner import Runner
+from torchpass_slurm.slurm.steps import StepRequest
 
 logger = logging.getLogger(__name__)
 
@@ -55,18 +56,7 @@ class SlurmBackend(Protocol):
     def submit_batch(
         self, script: str | os.PathLike[str], args: Sequence[str] = (), env: Mapping[str, str] | None = None
     ) -> int: ...
-    def launch_step(
-        self,
-        command: Sequence[str],
-        *,
-        node: str,
-        job_id: int | None = None,
-        ntasks: int = 1,
-        job_name: str | None = None,
-        extra_args: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-        unset_env: Sequence[str] = (),
-    ) -> subprocess.Popen[bytes]: ...
+    def launch_step(self, step: StepRequest) -> subprocess.Popen[bytes]: ...
     def drain(self, node: str, reason: str) -> None: ...
     def resume(self, node: str) -> None: ...
     def shrink_job(self, job_id: int, keep_nodes: Iterable[str]) -> None: ...

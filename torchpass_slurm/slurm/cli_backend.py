@@ -27,7 +27,7 @@ from torchpass_slurm.slurm.parse import (
 )
 from torchpass_slurm.slurm.runner import CommandResult, Runner, SubprocessRunner
 from torchpass_slurm.slurm.scontrol_text import parse_scontrol_job, parse_scontrol_nodes
-from torchpass_slurm.slurm.steps import srun_argv, step_env
+from torchpass_slurm.slurm.steps import StepRequest, srun_argv, step_env
 
 logger = logging.getLogger(__name__)
 
@@ -188,24 +188,9 @@ class CliSlurm:
         logger.info("submitted batch job %d", job_id)
         return job_id
 
-    def launch_step(
-        self,
-        command: Sequence[str],
-        *,
-        node: str,
-        job_id: int | None = None,
-        ntasks: int = 1,
-        job_name: str | None = None,
-        extra_args: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-        unset_env: Sequence[str] = (),
-    ) -> subprocess.Popen[bytes]:
-        """Start one ``srun --no-kill`` step on ``node``; return its process at once. ``unset_env``
-        names variables of this process's environment the step must not inherit."""
-        argv = srun_argv(
-            command, node=node, job_id=job_id, ntasks=ntasks, job_name=job_name, extra_args=extra_args
-        )
-        return self.runner.spawn(argv, env=step_env(os.environ, env, unset_env))
+    def launch_step(self, step: StepRequest) -> subprocess.Popen[bytes]:
+        """Start one ``srun --no-kill`` step on its node; return its process at once."""
+        return self.runner.spawn(srun_argv(step), env=step_env(os.environ, step.env, step.unset_env))
 
     def drain(self, node: str, reason: str) -> None:
         """Drain ``node``: running work stays, nothing new starts. ``reason`` is required."""

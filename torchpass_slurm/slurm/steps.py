@@ -10,8 +10,9 @@ so :func:`step_env` also removes it from the step's environment.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
-__all__ = ["srun_argv", "step_env", "EXPANDED_NODE_UNSET"]
+__all__ = ["StepRequest", "srun_argv", "step_env", "EXPANDED_NODE_UNSET"]
 
 #: Environment variables that must not reach srun (see the module docstring).
 UNSAFE_STEP_ENV = ("SLURM_NO_KILL",)
@@ -25,33 +26,40 @@ EXPANDED_NODE_UNSET = ("SLURM_CPUS_PER_TASK", "SLURM_TRES_PER_TASK")
 _COMPONENT_COPIES = ("_HET_GROUP_", "_PACK_GROUP_")
 
 
-def srun_argv(
-    command: Sequence[str],
-    *,
-    node: str,
-    job_id: int | None = None,
-    ntasks: int = 1,
-    job_name: str | None = None,
-    extra_args: Sequence[str] = (),
-) -> list[str]:
-    """``srun --no-kill --nodes=1 --ntasks=N --nodelist=NODE [...] COMMAND...``.
+@dataclass(frozen=True)
+class StepRequest:
+    """One ``srun --no-kill`` step on one node: what :meth:`SlurmBackend.launch_step` starts.
 
-    ``job_id`` targets a job from outside it (``--jobid``); inside the batch
-    script leave it None. ``extra_args`` go before the command, unchanged.
+    ``job_id`` targets a job from outside it (``--jobid``); inside the batch script leave it
+    None. ``extra_args`` go before the command, unchanged. ``env`` is added to this process's
+    environment; ``unset_env`` names variables of it the step must not inherit.
     """
-    if not command:
+
+    command: tuple[str, ...]
+    node: str
+    job_id: int | None = None
+    ntasks: int = 1
+    job_name: str | None = None
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] | None = None
+    unset_env: tuple[str, ...] = ()
+
+
+def srun_argv(step: StepRequest) -> list[str]:
+    """``srun --no-kill --nodes=1 --ntasks=N --nodelist=NODE [...] COMMAND...``."""
+    if not step.command:
         raise ValueError("srun_argv: the step needs a command")
-    if ntasks < 1:
-        raise ValueError(f"srun_argv: ntasks must be >= 1, got {ntasks}")
-    if not node or "," in node or "[" in node:
-        raise ValueError(f"srun_argv: one node name expected, got {node!r}")
-    argv = ["srun", "--no-kill", "--nodes=1", f"--ntasks={ntasks}", f"--nodelist={node}"]
-    if job_id is not None:
-        argv.append(f"--jobid={job_id}")
-    if job_name:
-        argv.append(f"--job-name={job_name}")
-    argv.extend(extra_args)
-    argv.extend(command)
+    if step.ntasks < 1:
+        raise ValueError(f"srun_argv: ntasks must be >= 1, got {step.ntasks}")
+    if not step.node or "," in step.node or "[" in step.node:
+        raise ValueError(f"srun_argv: one node name expected, got {step.node!r}")
+    argv = ["srun", "--no-kill", "--nodes=1", f"--ntasks={step.ntasks}", f"--nodelist={step.node}"]
+    if step.job_id is not None:
+        argv.append(f"--jobid={step.job_id}")
+    if step.job_name:
+        argv.append(f"--job-name={step.job_name}")
+    argv.extend(step.extra_args)
+    argv.extend(step.command)
     return argv
 
 

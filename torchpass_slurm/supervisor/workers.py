@@ -23,7 +23,7 @@ from torchpass_slurm import config as cfg
 from torchpass_slurm.control.rank_bodies import Heartbeat, Hello, Standby, TaskBeat
 from torchpass_slurm.phase import Phase
 from torchpass_slurm.slurm import SlurmBackend
-from torchpass_slurm.slurm.steps import EXPANDED_NODE_UNSET
+from torchpass_slurm.slurm.steps import EXPANDED_NODE_UNSET, StepRequest
 from torchpass_slurm.strenum import StrEnum
 from torchpass_slurm.supervisor.membership import Membership
 
@@ -293,13 +293,15 @@ class StepLauncher:
                 }
             )
         process = self.slurm.launch_step(
-            self.command,
-            node=node,
-            ntasks=membership.ntasks_per_node,
-            job_name=f"tp-{role}-{node}-e{membership.epoch}",
-            extra_args=("--kill-on-bad-exit=0", *self.step_args),
-            env=env,
-            unset_env=EXPANDED_NODE_UNSET if node in self.expanded else (),
+            StepRequest(
+                tuple(self.command),
+                node,
+                ntasks=membership.ntasks_per_node,
+                job_name=f"tp-{role}-{node}-e{membership.epoch}",
+                extra_args=("--kill-on-bad-exit=0", *self.step_args),
+                env=env,
+                unset_env=EXPANDED_NODE_UNSET if node in self.expanded else (),
+            )
         )
         logger.info("launched %s step on %s (epoch %d, pid %d)", role, node, membership.epoch, process.pid)
         return WorkerStep(

@@ -10,7 +10,7 @@ import pytest
 
 from torchpass_slurm.errors import SlurmCommandError, SlurmError, SlurmTimeoutError
 from torchpass_slurm.slurm.cli_backend import CliSlurm
-from torchpass_slurm.slurm.steps import EXPANDED_NODE_UNSET, srun_argv, step_env
+from torchpass_slurm.slurm.steps import EXPANDED_NODE_UNSET, StepRequest, srun_argv, step_env
 
 from .conftest import FakeRunner, fixture_text
 
@@ -148,7 +148,7 @@ def test_ping_other_failure_raises(fake_runner: FakeRunner) -> None:
 
 
 def test_srun_argv_uses_the_no_kill_flag() -> None:
-    assert srun_argv(["python", "train.py"], node="n3", job_id=7, ntasks=2, job_name="tp-rank") == [
+    assert srun_argv(StepRequest(("python", "train.py"), "n3", job_id=7, ntasks=2, job_name="tp-rank")) == [
         "srun",
         "--no-kill",
         "--nodes=1",
@@ -159,7 +159,7 @@ def test_srun_argv_uses_the_no_kill_flag() -> None:
         "python",
         "train.py",
     ]
-    assert srun_argv(["true"], node="n1", extra_args=["--overlap"]) == [
+    assert srun_argv(StepRequest(("true",), "n1", extra_args=("--overlap",))) == [
         "srun",
         "--no-kill",
         "--nodes=1",
@@ -173,14 +173,14 @@ def test_srun_argv_uses_the_no_kill_flag() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"command": [], "node": "n1"},
-        {"command": ["x"], "node": "n[1-2]"},
-        {"command": ["x"], "node": "n1", "ntasks": 0},
+        {"command": (), "node": "n1"},
+        {"command": ("x",), "node": "n[1-2]"},
+        {"command": ("x",), "node": "n1", "ntasks": 0},
     ],
 )
 def test_srun_argv_rejects_nonsense(kwargs: dict) -> None:
     with pytest.raises(ValueError):
-        srun_argv(**kwargs)
+        srun_argv(StepRequest(**kwargs))
 
 
 def test_step_env_drops_slurm_no_kill() -> None:
@@ -215,11 +215,9 @@ def test_launch_step_spawns_srun_without_slurm_no_kill(
     fake_runner: FakeRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SLURM_NO_KILL", "1")
-    argv = srun_argv(["python", "-m", "worker"], node="n2", job_id=9)
-    fake_runner.on(argv)
-    proc = make(fake_runner).launch_step(
-        ["python", "-m", "worker"], node="n2", job_id=9, env={"TP_RANK": "1"}
-    )
+    step = StepRequest(("python", "-m", "worker"), "n2", job_id=9, env={"TP_RANK": "1"})
+    fake_runner.on(srun_argv(step))
+    proc = make(fake_runner).launch_step(step)
     assert proc.wait(timeout=10) == 0
     env = fake_runner.calls[0].env
     assert env is not None and "SLURM_NO_KILL" not in env and env["TP_RANK"] == "1"

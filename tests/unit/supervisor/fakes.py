@@ -35,6 +35,7 @@ from torchpass_slurm.control.messages import Message, ReportKind, encode
 from torchpass_slurm.control.rank_bodies import Heartbeat, Hello, Standby, TaskBeat
 from torchpass_slurm.errors import ControlPlaneError, SlurmError
 from torchpass_slurm.slurm.models import Job, Node
+from torchpass_slurm.slurm.steps import StepRequest
 from torchpass_slurm.supervisor.probe import ProbeResult
 from torchpass_slurm.supervisor.workers import StepLauncher, WorkerStep
 
@@ -210,21 +211,11 @@ class FakeSlurm:
     def config_value(self, key: str) -> str | None:
         return {"PrologFlags": self.prolog_flags, "SlurmdTimeout": self.slurmd_timeout}.get(key)
 
-    def launch_step(
-        self,
-        command: Sequence[str],
-        *,
-        node: str,
-        job_id: int | None = None,
-        ntasks: int = 1,
-        job_name: str | None = None,
-        extra_args: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-        unset_env: Sequence[str] = (),
-    ) -> FakeProcess:
-        self.unset_env[node] = tuple(unset_env)
+    def launch_step(self, step: StepRequest) -> FakeProcess:
+        node = step.node
+        self.unset_env[node] = step.unset_env
         process = FakeProcess(self.clock, ignores_sigterm=node in self.hang_on_stop)
-        launch = Launch(node, dict(env or {}), ntasks, process)
+        launch = Launch(node, dict(step.env or {}), step.ntasks, process)
         self.launches.append(launch)
         for hook in self.on_launch:
             hook(launch)
