@@ -64,6 +64,13 @@ def _parses(kind: type, text: str) -> bool:
     return True
 
 
+def _setting(
+    name: str, kind: click.ParamType[Any], default: Any, help: str, metavar: str | None = None
+) -> Any:
+    """A model parameter: an option with a type, a default shown in --help, and its meaning."""
+    return click.option(name, type=kind, default=default, show_default=True, metavar=metavar, help=help)
+
+
 def rows(
     gpus: tuple[int, ...],
     params: GoodputParams,
@@ -116,56 +123,48 @@ def spare_entry(gpus: int, params: GoodputParams, pool: SpareParams, monte_carlo
     multiple=True,
     help="Job size in GPUs (repeatable). Default: 1024, 16384, 131072.",
 )
-@click.option(
+@_setting(
     "--gpus-per-node",
-    type=Count(min=1),
-    default=_D.gpus_per_node,
-    show_default=True,
-    help="GPUs a node holds; a job of G GPUs holds ceil(G / this) nodes, and faults strike nodes.",
+    Count(min=1),
+    _D.gpus_per_node,
+    "GPUs a node holds; a job of G GPUs holds ceil(G / this) nodes, and faults strike nodes.",
 )
-@click.option(
+@_setting(
     "--cluster",
-    type=click.Choice(sorted(CLUSTER_FAILURES_PER_NODE_DAY)),
-    default="rsc1",
-    show_default=True,
-    help="Failure rate of one of the HPCA 2025 study's clusters: "
-    "rsc1 6.50, rsc2 2.34 faults per 1000 node-days.",
+    click.Choice(sorted(CLUSTER_FAILURES_PER_NODE_DAY)),
+    "rsc1",
+    "Failure rate of one of the HPCA 2025 study's clusters: rsc1 6.50, rsc2 2.34 faults per 1000 node-days.",
 )
 @click.option("--failure-rate", type=Finite(min=0), help="Faults per 1000 node-days; overrides --cluster.")
-@click.option(
+@_setting(
     "--ckpt-interval",
-    type=Finite(min=0, min_open=True),
-    default=_D.ckpt_interval_s / 60,
-    show_default=True,
-    help="Minutes of training between checkpoints.",
+    Finite(min=0, min_open=True),
+    _D.ckpt_interval_s / 60,
+    "Minutes of training between checkpoints.",
 )
-@click.option(
+@_setting(
     "--ckpt-write",
-    type=Finite(min=0),
-    default=_D.ckpt_write_s,
-    show_default=True,
-    help="Seconds training stops to write a checkpoint (0: asynchronous writes).",
+    Finite(min=0),
+    _D.ckpt_write_s,
+    "Seconds training stops to write a checkpoint (0: asynchronous writes).",
 )
-@click.option(
+@_setting(
     "--restart-overhead",
-    type=Finite(min=0),
-    default=_D.restart_overhead_s,
-    show_default=True,
-    help="Seconds to detect, requeue and restore after a fault (the study's u0).",
+    Finite(min=0),
+    _D.restart_overhead_s,
+    "Seconds to detect, requeue and restore after a fault (the study's u0).",
 )
-@click.option(
+@_setting(
     "--live-recovery",
-    type=Finite(min=0),
-    default=_D.live_recovery_s,
-    show_default=True,
-    help="Seconds of job time a fault costs under live migration.",
+    Finite(min=0),
+    _D.live_recovery_s,
+    "Seconds of job time a fault costs under live migration.",
 )
-@click.option(
+@_setting(
     "--live-coverage",
-    type=Finite(0, 1),
-    default=_D.live_coverage,
-    show_default=True,
-    help="Share of faults live migration resolves; the rest fall back to checkpoint restart.",
+    Finite(0, 1),
+    _D.live_coverage,
+    "Share of faults live migration resolves; the rest fall back to checkpoint restart.",
 )
 @click.option(
     "--spares",
@@ -174,40 +173,36 @@ def spare_entry(gpus: int, params: GoodputParams, pool: SpareParams, monte_carlo
     help="Spares the job reserves. Given, live migration's coverage comes from them instead of "
     "--live-coverage, shown without and with refill (docs/goodput.md, 'Coverage from spares').",
 )
-@click.option(
+@_setting(
     "--refill-s",
-    type=Finite(min=0),
-    default=_S.refill_s,
-    show_default=True,
-    metavar="SECONDS",
-    help="Seconds from asking Slurm for a replacement node to a ready spare "
+    Finite(min=0),
+    _S.refill_s,
+    "Seconds from asking Slurm for a replacement node to a ready spare "
     "(2 to 11 s measured with an idle node). Needs --spares.",
-)
-@click.option(
-    "--spare-wait",
-    type=Finite(min=0),
-    default=_S.spare_wait_s,
-    show_default=True,
     metavar="SECONDS",
-    help="Seconds the survivors hold the committed step for a refill when no spare is ready "
+)
+@_setting(
+    "--spare-wait",
+    Finite(min=0),
+    _S.spare_wait_s,
+    "Seconds the survivors hold the committed step for a refill when no spare is ready "
     "(tp-submit --spare-wait); a node within it keeps the move live. Needs --spares.",
+    metavar="SECONDS",
 )
-@click.option(
+@_setting(
     "--job-days",
-    type=Finite(0, MAX_JOB_DAYS, min_open=True),
-    default=_S.job_days,
-    show_default=True,
-    metavar="DAYS",
-    help="Days of wall time the job lives: without refill, its spares cover only its first S faults. "
+    Finite(0, MAX_JOB_DAYS, min_open=True),
+    _S.job_days,
+    "Days of wall time the job lives: without refill, its spares cover only its first S faults. "
     "Needs --spares.",
+    metavar="DAYS",
 )
-@click.option(
+@_setting(
     "--uncoverable",
-    type=Finite(0, 1),
-    default=_S.uncoverable,
-    show_default=True,
+    Finite(0, 1),
+    _S.uncoverable,
+    "Share of faults no spare can cover whatever the pool (every copy of a shard lost). Needs --spares.",
     metavar="SHARE",
-    help="Share of faults no spare can cover whatever the pool (every copy of a shard lost). Needs --spares.",
 )
 @click.option(
     "--monte-carlo", is_flag=True, help="Also simulate (20,000 faults per cell) to check the closed form."
