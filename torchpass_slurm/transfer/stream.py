@@ -102,6 +102,20 @@ class TransferStats:
         """Bytes per second."""
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
+    def done(self, what: str, seconds: float, start: int) -> None:
+        """The call ended after ``seconds``, having streamed from chunk ``start``: log its numbers."""
+        self.seconds = seconds
+        logger.info(
+            "state %s: %d bytes in %d chunks, %.3f s (%.0f MB/s), from chunk %d, %d resent",
+            what,
+            self.bytes,
+            self.chunks,
+            self.seconds,
+            self.throughput / 1e6,
+            start,
+            self.retries,
+        )
+
 
 @dataclass
 class ReceiveProgress:
@@ -162,16 +176,7 @@ def send_state(
         logger.info("resending %d bad chunk(s): %s", len(bad), bad[:16])
         stats.retries += len(bad)
         sender.send(bad, ())
-    stats.seconds = time.monotonic() - began
-    logger.info(
-        "state sent: %d bytes in %d chunks, %.3f s (%.0f MB/s), from chunk %d, %d resent",
-        stats.bytes,
-        stats.chunks,
-        stats.seconds,
-        stats.throughput / 1e6,
-        start,
-        stats.retries,
-    )
+    stats.done("sent", time.monotonic() - began, start)
     return stats
 
 
@@ -306,16 +311,7 @@ def recv_state(
             hint="the link or a NIC may corrupt data; try another donor or transport",
         )
     send_ints(transport, [0], timeout)
-    stats.seconds = time.monotonic() - began
-    logger.info(
-        "state received: %d bytes in %d chunks, %.3f s (%.0f MB/s), from chunk %d, %d resent",
-        stats.bytes,
-        stats.chunks,
-        stats.seconds,
-        stats.throughput / 1e6,
-        start,
-        stats.retries,
-    )
+    stats.done("received", time.monotonic() - began, start)
     return progress.state, stats
 
 
