@@ -343,6 +343,7 @@ ALLOWED_ROOMS: dict[str, frozenset[str]] = {
     "supervisor": frozenset({"control", "slurm", "rundir"}),
     "cli": frozenset({"slurm", "control", "rundir", "health", "submit", "analysis", "supervisor"}),
     "train": frozenset({"rank"}),  # the public API: a facade over the rank side
+    "events": frozenset({"rundir"}),  # deprecated alias of rundir/events.py, for one release
 }
 
 

@@ -145,3 +145,29 @@ def test_the_trainers_keep_their_call_signatures(name: str) -> None:
 def test_both_trainers_are_the_one_trainer_class() -> None:
     """``ShardedTrainer`` builds the same ``ElasticTrainer`` with a sharded state injected."""
     assert inspect.signature(train.ShardedTrainer).return_annotation == "ElasticTrainer"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "name"),
+    [
+        ("torchpass_slurm.rank.layout", "torchpass_slurm.mesh", "MeshLayout"),
+        ("torchpass_slurm.events", "torchpass_slurm.rundir.events", "EventLog"),
+    ],
+)
+def test_a_moved_module_keeps_its_old_path_for_one_release_with_a_warning(
+    old: str, new: str, name: str
+) -> None:
+    """The old import path still gives the same object, and says where it went."""
+    code = (
+        "import importlib, warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    old = importlib.import_module({old!r})\n"
+        f"assert getattr(old, {name!r}) is getattr(importlib.import_module({new!r}), {name!r})\n"
+        "print([str(w.message) for w in caught if w.category is DeprecationWarning])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"{old} is deprecated and goes in the next release" in done.stdout
