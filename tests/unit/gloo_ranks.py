@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import socket
+import subprocess
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from torchpass_slurm.rank.runtime import RankInfo, make_tcp_store
@@ -85,3 +88,45 @@ def job_store(secret: bytes) -> Iterator[Any]:
         stop.set()
         thread.join(5)
         server.close()
+
+
+def run_script_ranks(
+    argv: Sequence[str], world: int, *, env: Mapping[str, str] | None = None, expect: int = 0
+) -> str:
+    """Run ``python argv...`` as ``world`` ranks the way torchrun would (RANK, WORLD_SIZE,
+    MASTER_ADDR on 127.0.0.1, no Slurm, no tp run), each expected to exit ``expect``; rank
+    0's stdout. ``env`` is added to every rank's environment."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        rank_env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "SLURM_"))}
+        rank_env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            USE_LIBUV="0",
+            PYTHONWARNINGS="ignore",
+            **(env or {}),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *argv],
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:  # a rank left hanging (its peer failed) must not outlive the test
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == expect, err[-3000:]
+    return outputs[0][0]

@@ -8,15 +8,12 @@ run resumes from the first one's checkpoint instead of starting again.
 from __future__ import annotations
 
 import ast
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from ..gloo_ranks import free_port
+from ..gloo_ranks import run_script_ranks
 
 pytest.importorskip("torch")
 pytest.importorskip("numpy")  # torch.distributed's object collectives (used by DCP) need it
@@ -26,41 +23,7 @@ SCRIPT = Path(__file__).resolve().parents[3] / "sbatch-examples" / "minimal.py"
 
 def run_ranks(world: int, extra_env: dict[str, str]) -> str:
     """Run the example as ``world`` ranks (torchrun-style env); rank 0's stdout."""
-    port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "SLURM_"))}
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            USE_LIBUV="0",
-            PYTHONWARNINGS="ignore",
-            OMP_NUM_THREADS="1",
-            **extra_env,
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(SCRIPT)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    try:
-        outputs = [p.communicate(timeout=120) for p in procs]
-    finally:  # a rank left hanging (its peer failed) must not outlive the test
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (_, err) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-    return outputs[0][0]
+    return run_script_ranks([str(SCRIPT)], world, env={"OMP_NUM_THREADS": "1", **extra_env})
 
 
 def logged(out: str) -> dict[int, float]:

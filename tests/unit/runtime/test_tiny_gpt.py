@@ -6,15 +6,12 @@ seconds each on a 2-core machine; the code path is the example's own.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from ..gloo_ranks import free_port
+from ..gloo_ranks import run_script_ranks
 
 pytest.importorskip("torch")
 pytest.importorskip("numpy")  # torch.distributed's object collectives (used by DCP) need it
@@ -47,39 +44,7 @@ DONE = re.compile(
 
 def run_ranks(world: int, args: list[str], *, expect: int = 0) -> str:
     """Run the example as ``world`` ranks (torchrun-style env); rank 0's stdout."""
-    port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "SLURM_"))}
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            USE_LIBUV="0",
-            PYTHONWARNINGS="ignore",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(SCRIPT), *SMALL, *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    try:
-        outputs = [p.communicate(timeout=120) for p in procs]
-    finally:  # a rank left hanging (its peer failed) must not outlive the test
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (_, err) in zip(procs, outputs, strict=True):
-        assert p.returncode == expect, err[-3000:]
-    return outputs[0][0]
+    return run_script_ranks([str(SCRIPT), *SMALL, *args], world, expect=expect)
 
 
 def losses(out: str) -> list[float]:

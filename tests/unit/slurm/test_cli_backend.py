@@ -247,6 +247,18 @@ def _job_line(job_id: int, nodes: str) -> str:
     return " ".join(f"NodeList={nodes}" if w.startswith("NodeList=") else w for w in line.split(" "))
 
 
+def salloc_7(wait_s: int = 60) -> list[str]:
+    """The request for a node for job 7 that the merge tests below expect."""
+    return [
+        "salloc",
+        "--no-shell",
+        "-N1",
+        "--dependency=expand:7",
+        f"--immediate={wait_s}",
+        "--job-name=tp-spare-7",
+    ]
+
+
 def _job_7_in_turn(fake_runner: FakeRunner, first: list[str], then: str) -> None:
     """``scontrol -o show job 7`` answers ``first`` in turn, then ``then`` for good (the job's
     nodes before and after a merge)."""
@@ -264,14 +276,7 @@ def _job_7_in_turn(fake_runner: FakeRunner, first: list[str], then: str) -> None
 
 def test_expand_job_asks_for_one_node_beside_the_job_and_merges_it(fake_runner: FakeRunner) -> None:
     fake_runner.on(["scontrol", "-o", "show", "job", "7"], _job_line(7, "c[1-3]"))
-    salloc = [
-        "salloc",
-        "--no-shell",
-        "-N1",
-        "--dependency=expand:7",
-        "--immediate=60",
-        "--job-name=tp-spare-7",
-    ]
+    salloc = salloc_7()
     fake_runner.on([*salloc, "--partition=debug", "--exclude=c[1-3,5]"], "salloc: Granted job allocation 9\n")
     fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c4"))
     fake_runner.on(["scontrol", "update", "JobId=9", "NumNodes=0"])
@@ -292,14 +297,7 @@ def test_a_node_the_job_had_left_that_the_merge_gives_back_is_released_again(
     """Slurm 24.11: after a merge the job held c3 again, which it had shrunk out (dead)."""
     before, after = _job_line(7, "c[1-2]"), _job_line(7, "c[1-3,5]")
     _job_7_in_turn(fake_runner, [before, before], after)
-    salloc = [
-        "salloc",
-        "--no-shell",
-        "-N1",
-        "--dependency=expand:7",
-        "--immediate=60",
-        "--job-name=tp-spare-7",
-    ]
+    salloc = salloc_7()
     fake_runner.on([*salloc, "--partition=debug", "--exclude=c[1-3]"], "salloc: Granted job allocation 9\n")
     fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c5"))
     fake_runner.on(["scontrol", "update", "JobId=9", "NumNodes=0"])
@@ -316,14 +314,7 @@ def test_a_merge_slurm_22_05_declines_for_now_is_done_when_the_job_holds_the_nod
     set"), but NumNodes=0 has moved the node into the job already (steps run on it)."""
     before, after = _job_line(7, "c[1-3]"), _job_line(7, "c[1-4]")
     _job_7_in_turn(fake_runner, [before, before], after)
-    salloc = [
-        "salloc",
-        "--no-shell",
-        "-N1",
-        "--dependency=expand:7",
-        "--immediate=60",
-        "--job-name=tp-spare-7",
-    ]
+    salloc = salloc_7()
     fake_runner.on([*salloc, "--partition=debug", "--exclude=c[1-3]"], "salloc: Granted job allocation 9\n")
     fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c4"))
     fake_runner.on(["scontrol", "update", "JobId=9", "NumNodes=0"])
@@ -339,14 +330,7 @@ def test_a_merge_slurm_22_05_declines_for_now_is_done_when_the_job_holds_the_nod
 
 def test_a_merge_declined_for_now_without_the_node_in_the_job_gives_it_back(fake_runner: FakeRunner) -> None:
     fake_runner.on(["scontrol", "-o", "show", "job", "7"], _job_line(7, "c1"))
-    salloc = [
-        "salloc",
-        "--no-shell",
-        "-N1",
-        "--dependency=expand:7",
-        "--immediate=5",
-        "--job-name=tp-spare-7",
-    ]
+    salloc = salloc_7(5)
     fake_runner.on([*salloc, "--partition=debug", "--exclude=c1"], "salloc: Granted job allocation 9\n")
     fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c2"))
     fake_runner.on(["scontrol", "update", "JobId=9", "NumNodes=0"])
@@ -361,14 +345,7 @@ def test_a_merge_declined_for_now_without_the_node_in_the_job_gives_it_back(fake
 
 def test_a_merge_that_fails_gives_the_node_back(fake_runner: FakeRunner) -> None:
     fake_runner.on(["scontrol", "-o", "show", "job", "7"], _job_line(7, "c1"))
-    salloc = [
-        "salloc",
-        "--no-shell",
-        "-N1",
-        "--dependency=expand:7",
-        "--immediate=5",
-        "--job-name=tp-spare-7",
-    ]
+    salloc = salloc_7(5)
     fake_runner.on([*salloc, "--partition=debug", "--exclude=c1"], "salloc: Granted job allocation 9\n")
     fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c2"))
     refused = SlurmCommandError(["scontrol"], 1, "scontrol: error: Job expansion not permitted")
@@ -384,14 +361,7 @@ def test_a_node_the_job_holds_already_is_given_back_not_merged(fake_runner: Fake
     """Slurm shares nodes between allocations: a request made before the job got c3 may be given
     c3 too. Merging it again took a CPU off the job on 24.11 (4 nodes, 3 CPUs)."""
     fake_runner.on(["scontrol", "-o", "show", "job", "7"], _job_line(7, "c[1-3]"))
-    salloc = [
-        "salloc",
-        "--no-shell",
-        "-N1",
-        "--dependency=expand:7",
-        "--immediate=5",
-        "--job-name=tp-spare-7",
-    ]
+    salloc = salloc_7(5)
     fake_runner.on([*salloc, "--partition=debug", "--exclude=c[1-3]"], "salloc: Granted job allocation 9\n")
     fake_runner.on(["scontrol", "-o", "show", "job", "9"], _job_line(9, "c3"))
     fake_runner.on(["scancel", "9"])
@@ -406,14 +376,7 @@ def test_a_salloc_killed_at_its_timeout_has_its_request_withdrawn(fake_runner: F
     """salloc withdraws its request when --immediate runs out, but not when it is killed: a
     request left pending would be granted a node that nobody merges."""
     fake_runner.on(["scontrol", "-o", "show", "job", "7"], _job_line(7, "c1"))
-    salloc = [
-        "salloc",
-        "--no-shell",
-        "-N1",
-        "--dependency=expand:7",
-        "--immediate=5",
-        "--job-name=tp-spare-7",
-    ]
+    salloc = salloc_7(5)
     fake_runner.on([*salloc, "--partition=debug", "--exclude=c1"], SlurmTimeoutError(salloc, 35))
     fake_runner.on(["scancel", "--name=tp-spare-7"])
 
