@@ -30,8 +30,7 @@ from typing import Any
 
 from torchpass_slurm.errors import SlurmError
 from torchpass_slurm.rundir import events as ev
-from torchpass_slurm.slurm import SlurmBackend
-from torchpass_slurm.supervisor.state import JobState
+from torchpass_slurm.supervisor.context import JobContext
 
 __all__ = ["Allocation", "CLOSE_TIMEOUT_S"]
 
@@ -53,10 +52,9 @@ _Order = tuple[list[str], str] | None
 class Allocation:
     """Shrinks one job's allocation through Slurm, off the loop's thread."""
 
-    def __init__(self, job: JobState, *, slurm: SlurmBackend, events: ev.EventLog) -> None:
-        self.job = job
-        self.slurm = slurm
-        self.events = events
+    def __init__(self, ctx: JobContext) -> None:
+        self.ctx = ctx
+        self.job = ctx.job
         self._orders: queue.SimpleQueue[_Order] = queue.SimpleQueue()
         #: (nodes, reason, the error, or None when they left)
         self._outcomes: queue.SimpleQueue[tuple[list[str], str, str | None]] = queue.SimpleQueue()
@@ -109,7 +107,7 @@ class Allocation:
             self.pending -= 1
             for node in nodes:
                 extra: dict[str, Any] = {} if error is None else {"error": error}
-                self.events.append(
+                self.ctx.events.append(
                     ev.NODE_RELEASED, node=node, released=error is None, reason=reason, **extra
                 )
 
@@ -141,10 +139,10 @@ class Allocation:
                 if all(n in self._rejoined for n in nodes):
                     return "taken back into the job before Slurm would release it"
                 try:
-                    held = self.slurm.job(self.job.job_id).nodes
+                    held = self.ctx.slurm.job(self.job.job_id).nodes
                     keep = [n for n in held if n not in nodes]
                     if keep and len(keep) < len(held):  # never a shrink that changes nothing
-                        self.slurm.shrink_job(self.job.job_id, keep)
+                        self.ctx.slurm.shrink_job(self.job.job_id, keep)
                     return None
                 except SlurmError as err:
                     delay = next(delays, None) if TRY_AGAIN in str(err) else None

@@ -21,7 +21,8 @@ from typing import Any
 from torchpass_slurm.control.reports import FirstStep, Resumed
 from torchpass_slurm.faults import Resolution
 from torchpass_slurm.rundir import events as ev
-from torchpass_slurm.supervisor.state import Clock, JobState, RunState
+from torchpass_slurm.supervisor.context import JobContext
+from torchpass_slurm.supervisor.state import RunState
 
 __all__ = ["Completion"]
 
@@ -29,10 +30,9 @@ __all__ = ["Completion"]
 class Completion:
     """Closes the job's recovery in flight from the ranks' reports."""
 
-    def __init__(self, job: JobState, *, events: ev.EventLog, clock: Clock) -> None:
-        self.job = job
-        self.events = events
-        self.clock = clock
+    def __init__(self, ctx: JobContext) -> None:
+        self.ctx = ctx
+        self.job = ctx.job
 
     def agreed(self, epoch: object, committed_step: int) -> None:
         """Rank 0's agreement: the committed step every rank of the epoch now holds."""
@@ -84,14 +84,14 @@ class Completion:
     def _done(self, resolution: Resolution, lost: int | None, recomputed: int | None, **extra: Any) -> None:
         mig = self.job.migration
         assert mig is not None
-        self.events.append(
+        self.ctx.events.append(
             ev.MIGRATION_DONE,
             resolution=resolution,
             lost_steps=lost,
             recomputed_steps=recomputed,
             planned=mig.planned,
             failed=list(mig.failed),
-            seconds=round(self.clock.time() - mig.started, 3),
+            seconds=round(self.ctx.clock.time() - mig.started, 3),
             **extra,
         )
         self.job.migration = None

@@ -47,11 +47,10 @@ from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.errors import SlurmError
 from torchpass_slurm.faults import Detector, Evidence, Fault, Resolution
 from torchpass_slurm.rundir import events as ev
-from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.slurm.models import Node
 from torchpass_slurm.supervisor import hang
-from torchpass_slurm.supervisor.probe import Probe
-from torchpass_slurm.supervisor.state import Clock, JobState, RunState
+from torchpass_slurm.supervisor.context import JobContext
+from torchpass_slurm.supervisor.state import RunState
 from torchpass_slurm.supervisor.workers import WorkerState, WorkerStep
 
 __all__ = ["Detectors", "dead_rank", "stuck_rank", "torn_too_long"]
@@ -79,22 +78,9 @@ class _Settle:
 class Detectors:
     """Turns what the supervisor observes into faults; see the module docstring."""
 
-    def __init__(
-        self,
-        job: JobState,
-        *,
-        slurm: SlurmBackend,
-        config: SupervisorConfig,
-        clock: Clock,
-        events: ev.EventLog,
-        probe: Probe | None = None,
-    ) -> None:
-        self.job = job
-        self.slurm = slurm
-        self.config = config
-        self.clock = clock
-        self.events = events
-        self.probe = probe
+    def __init__(self, ctx: JobContext) -> None:
+        self.ctx = ctx
+        self.job = ctx.job
         #: drains seen on the job's nodes, waiting for a step boundary
         self.drains: list[Fault] = []
         #: Slurm's last word on each watched node: usable or not
@@ -120,39 +106,39 @@ class Detectors:
         detail = f"rank {rank} on {node}: a collective failed ({error[:120]})"
         for peer in self._peers_named(error):
             if peer != node:
-                self._named[peer] = (self.clock.time(), detail)
+                self._named[peer] = (self.ctx.clock.time(), detail)
         if self._reported is None and self._settle is None:
             self._reported = Fault(node, Detector.COLLECTIVE_FAILED, detail)
 
     def _peers_named(self, error: str) -> list[str]:
-        if self.probe is None:
+        if self.ctx.probe is None:
             return []
-        found = (self.probe.node_of_address(a or b) for a, b in _PEER_ADDRESS.findall(error))
+        found = (self.ctx.probe.node_of_address(a or b) for a, b in _PEER_ADDRESS.findall(error))
         return [n for n in found if n is not None]
 
     # -- one detection ----------------------------------------------------------
     def detect(self) -> list[Fault]:
         """The faults of one detection (at once when conclusive, else after settling), or []."""
         if self.job.state != RunState.RUNNING or self.job.migration is not None or self._settle is not None:
-            self.hang.unsteady(self.clock.monotonic())
+            self.hang.unsteady(self.ctx.clock.monotonic())
         exited = self._step_exit()
         if exited is not None and self._exit_is_conclusive(exited.node):
             return self._judged([dataclasses.replace(exited, evidence=Evidence.CONCLUSIVE)])
-        silence_due = self.clock.monotonic() >= self._next_silence_check
+        silence_due = self.ctx.clock.monotonic() >= self._next_silence_check
         if silence_due:
-            self._next_silence_check = self.clock.monotonic() + SILENCE_CHECK_S
+            self._next_silence_check = self.ctx.clock.monotonic() + SILENCE_CHECK_S
         confirmed = self._confirmed_silence() if silence_due else []
         if confirmed:
             return self._judged(confirmed)
         if self._settle is not None:
-            if self.clock.monotonic() < self._settle.deadline:
+            if self.ctx.clock.monotonic() < self._settle.deadline:
                 return []
             first = self._settle.first
             return self._judged(self._verdict(first), first)
         reported, self._reported = self._reported, None
         suspicion = exited or reported
         if suspicion is not None:
-            self._settle = _Settle(suspicion, self.clock.monotonic() + self.config.fault_settle)
+            self._settle = _Settle(suspicion, self.ctx.clock.monotonic() + self.ctx.config.fault_settle)
             return []
         if silence_due:
             stalled = self._no_progress()
@@ -163,7 +149,7 @@ class Detectors:
 
     def _no_progress(self) -> list[Fault]:
         """The ranks behind a job whose step has not moved for its hang threshold."""
-        return self.hang.check(self.job, self.config, self.clock)
+        return self.hang.check(self.job, self.ctx.config, self.ctx.clock)
 
     def _stalled_recovery(self) -> Fault | None:
         """A live, planned or regroup recovery past ``recovery_timeout`` without its first step."""
@@ -172,8 +158,8 @@ class Detectors:
             return None
         if self.job.holding is not None:  # a loss during the recovery waits for a spare
             return None
-        waited = self.clock.time() - (migration.epoch_started or migration.started)
-        if waited <= self.config.recovery_timeout:
+        waited = self.ctx.clock.time() - (migration.epoch_started or migration.started)
+        if waited <= self.ctx.config.recovery_timeout:
             return None
         node = self.job.membership.node_of_rank(0)
         return Fault(
@@ -204,8 +190,8 @@ class Detectors:
     def _confirmed_silence(self) -> list[Fault]:
         """Steps silent past ``silence_threshold`` whose loss a second signal confirms; a probe
         is started for the others."""
-        now, faults = self.job.silence_clock(self.clock.time()), []
-        threshold = self.config.silence_threshold
+        now, faults = self.job.silence_clock(self.ctx.clock.time()), []
+        threshold = self.ctx.config.silence_threshold
         for node, step in self._watched():
             silent, peers = step.lost_for(now), True
             if silent is None or silent <= threshold:
@@ -215,7 +201,7 @@ class Detectors:
                 if silent is None or silent <= threshold:
                     continue
             else:
-                dead = dead_rank(step, now, self.config)
+                dead = dead_rank(step, now, self.ctx.config)
                 if dead is not None:
                     faults.append(dead)
                     continue
@@ -238,11 +224,11 @@ class Detectors:
         named = self._named.get(node) if peers else None
         if named is not None and named[0] >= silent_since - _NAMED_SLACK_S:
             return Evidence.PEER_REPORT, f"named by {named[1]}"
-        if self.probe is None:
+        if self.ctx.probe is None:
             return None
-        result = self.probe.verdict(node, since=silent_since)
+        result = self.ctx.probe.verdict(node, since=silent_since)
         if result is None:
-            self.probe.start(node)
+            self.ctx.probe.start(node)
             return None
         if not result.reachable:
             return Evidence.PROBE, f"its slurmd: {result.detail}"
@@ -259,7 +245,7 @@ class Detectors:
     def _verdict(self, first: Fault) -> list[Fault]:
         """At the end of the settle window: the nodes silent all along, else the step that exited."""
         job = self.job
-        now, window = job.silence_clock(self.clock.time()), self.config.fault_settle
+        now, window = job.silence_clock(self.ctx.clock.time()), self.ctx.config.fault_settle
         silent = [
             n
             for n in job.membership.active + job.membership.spares
@@ -301,7 +287,7 @@ class Detectors:
     def _silence(self) -> Fault | None:
         """Silence past ``heartbeat_timeout`` that nothing confirmed (a frozen process on a node
         that answers), or a step never up within ``startup_timeout``."""
-        now, cfg = self.job.silence_clock(self.clock.time()), self.config
+        now, cfg = self.job.silence_clock(self.ctx.clock.time()), self.ctx.config
         for node, step in self._watched():
             silent = step.lost_for(now)
             if silent is not None and silent > cfg.heartbeat_timeout:
@@ -311,7 +297,7 @@ class Detectors:
                     f"no heartbeat from {node} for {silent:.1f} s (it still answers: hung?)",
                     evidence=Evidence.TIMEOUT,
                 )
-            hung = stuck_rank(step, now, self.config) or torn_too_long(step, now, self.config)
+            hung = stuck_rank(step, now, self.ctx.config) or torn_too_long(step, now, self.ctx.config)
             if hung is not None:
                 return hung
         for node, step in self.job.steps.items():
@@ -328,16 +314,16 @@ class Detectors:
 
     def _watch_slurm(self) -> Fault | None:
         """Poll Slurm for the job's nodes, at most every ``slurm_poll_interval`` seconds."""
-        now = self.clock.monotonic()
+        now = self.ctx.clock.monotonic()
         if now < self._next_slurm_poll:
             return None
-        self._next_slurm_poll = now + self.config.slurm_poll_interval
+        self._next_slurm_poll = now + self.ctx.config.slurm_poll_interval
         watched = list(self.job.live_steps())
         if not watched:
             return None
         try:
-            job_nodes = set(self.slurm.job(self.job.job_id).nodes)
-            nodes = {n.name: n for n in self.slurm.nodes(watched)}
+            job_nodes = set(self.ctx.slurm.job(self.job.job_id).nodes)
+            nodes = {n.name: n for n in self.ctx.slurm.nodes(watched)}
         except SlurmError as err:  # the watcher must never kill the job
             logger.warning("Slurm watcher: %s", err)
             self.usable.clear()
@@ -368,7 +354,7 @@ class Detectors:
             )
         if node.is_drain and node.name not in self._drains_seen:
             self._drains_seen.add(node.name)
-            self.events.append(ev.DRAIN_SEEN, node=node.name, reason=node.reason or "")
+            self.ctx.events.append(ev.DRAIN_SEEN, node=node.name, reason=node.reason or "")
             self.drains.append(Fault(node.name, Detector.DRAIN, node.reason or ""))
         return None
 

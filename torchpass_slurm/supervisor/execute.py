@@ -21,19 +21,19 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from torchpass_slurm.config import NodeRole, SupervisorConfig
+from torchpass_slurm.config import NodeRole
 from torchpass_slurm.control.bodies import PromoteMode
 from torchpass_slurm.control.server import ControlServer
 from torchpass_slurm.errors import SlurmError
 from torchpass_slurm.faults import Detector, Fault, Resolution
 from torchpass_slurm.rundir import events as ev
-from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.supervisor import hold
 from torchpass_slurm.supervisor.allocation import Allocation
+from torchpass_slurm.supervisor.context import JobContext
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.orders import Orders
 from torchpass_slurm.supervisor.plan import Action, Plan
-from torchpass_slurm.supervisor.state import Clock, Holding, JobState, Migration, RunState
+from torchpass_slurm.supervisor.state import Holding, JobState, Migration, RunState
 from torchpass_slurm.supervisor.workers import StepLauncher, WorkerState
 
 __all__ = ["Executor"]
@@ -55,28 +55,16 @@ class Executor:
     """Carries out plans on one job; see the module docstring."""
 
     def __init__(
-        self,
-        job: JobState,
-        *,
-        launcher: StepLauncher,
-        server: ControlServer,
-        slurm: SlurmBackend,
-        events: ev.EventLog,
-        config: SupervisorConfig,
-        clock: Clock,
-        store: tuple[str, int],
+        self, ctx: JobContext, *, launcher: StepLauncher, server: ControlServer, store: tuple[str, int]
     ) -> None:
-        self.job = job
+        self.ctx = ctx
+        self.job = ctx.job
         self.launcher = launcher
-        self.slurm = slurm
-        self.events = events
-        self.config = config
-        self.clock = clock
-        self.allocation = Allocation(job, slurm=slurm, events=events)
-        self.orders = Orders(job, server=server, config=config, clock=clock, store=store)
+        self.allocation = Allocation(ctx)
+        self.orders = Orders(ctx, server=server, store=store)
         #: the hold the plan being carried out ends (its losses were recorded when it began)
         self._held: Holding | None = None
-        self.in_place = InPlace(job, launcher, self.orders)
+        self.in_place = InPlace(ctx.job, launcher, self.orders)
         self._actions = {
             Action.LIVE: self._live,
             Action.PLANNED: self._planned,
@@ -94,7 +82,7 @@ class Executor:
     # -- the one routine that changes the epoch ----------------------------------
     def change_membership(self, new: Membership) -> None:
         self.job.membership = new
-        self.events.epoch = new.epoch
+        self.ctx.events.epoch = new.epoch
 
     def add_spare(self, node: str, waited: float, *, returned: bool = False, in_job: bool = False) -> None:
         """A node joins the spare pool: its standby step starts. Slurm gave it to the job (a
@@ -109,7 +97,7 @@ class Executor:
             self.allocation.rejoined(node)
         self.job.steps[node] = self.launcher.launch(node, new)
         extra = {"in_job": True} if in_job else {}
-        self.events.append(
+        self.ctx.events.append(
             ev.SPARE_ADDED, node=node, seconds=waited, spares=list(new.spares), returned=returned, **extra
         )
         since = "its rank was lost" if returned else "it was asked for"
@@ -125,9 +113,9 @@ class Executor:
             self.job.holding = None
         for fault in plan.faults:
             if fault.loses_node and (held is None or fault not in held.faults):
-                record_loss(self.job, self.events, fault)
+                record_loss(self.job, self.ctx.events, fault)
         if plan.stop:
-            self.launcher.stop_lost([self.job.steps[n] for n in plan.stop], self.config.lost_stop_timeout)
+            self.launcher.stop_lost([self.job.steps[n] for n in plan.stop], self.ctx.config.lost_stop_timeout)
             for node in plan.stop:
                 self.orders.cancel(node)
         self._drop_spares(plan)
@@ -141,7 +129,9 @@ class Executor:
     def _hold(self, plan: Plan) -> None:
         """No spare for a loss whose state a replica holds: wait for the pool to refill."""
         self.change_membership(plan.membership)  # spares lost meanwhile leave the pool
-        hold.begin(self.job, plan.lost, plan.detail, self.events, self.config.spare_wait, self.clock)
+        hold.begin(
+            self.job, plan.lost, plan.detail, self.ctx.events, self.ctx.config.spare_wait, self.ctx.clock
+        )
 
     def _drop_spare(self, plan: Plan) -> None:
         self.change_membership(plan.membership)
@@ -151,12 +141,12 @@ class Executor:
 
     def _defer(self, plan: Plan) -> None:
         (fault,) = plan.faults
-        self.events.append(ev.DRAIN_DEFERRED, node=fault.node, reason=fault.detail, detail=plan.detail)
+        self.ctx.events.append(ev.DRAIN_DEFERRED, node=fault.node, reason=fault.detail, detail=plan.detail)
 
     def _drain(self, plan: Plan) -> None:
         node = plan.faults[0].node
         try:
-            self.slurm.drain(node, plan.detail)
+            self.ctx.slurm.drain(node, plan.detail)
         except SlurmError as err:  # without the drain the node keeps its ranks
             logger.warning("could not drain %s after its health warning: %s", node, err)
 
@@ -167,7 +157,7 @@ class Executor:
         self.change_membership(new)
         self._migration_started(plan, committed)
         for spare, node in zip(plan.promoted, failed, strict=True):
-            self.events.append(
+            self.ctx.events.append(
                 ev.SPARE_PROMOTED,
                 node=spare,
                 replaces=node,
@@ -176,7 +166,7 @@ class Executor:
                 **({"in_place": True} if spare == node else {}),
             )
         self.job.migration = chained(
-            self.job.migration, new.epoch, self.clock.time(), committed, failed, receiving=plan.promoted
+            self.job.migration, new.epoch, self.ctx.clock.time(), committed, failed, receiving=plan.promoted
         )
         self.orders.reconfigure(survivors)
         for spare, node in zip(plan.promoted, failed, strict=True):
@@ -197,9 +187,9 @@ class Executor:
         old, new = self.job.membership, plan.membership
         committed = self.job.committed(list(old.active))
         # every rank must hear of the switch before it commits that step
-        switch_after = (committed or 0) + self.job.progress.steps_ahead(self.config.switch_lead)
+        switch_after = (committed or 0) + self.job.progress.steps_ahead(self.ctx.config.switch_lead)
         self.change_membership(new)
-        self.events.append(
+        self.ctx.events.append(
             ev.MIGRATION_STARTED,
             failed=[fault.node],
             spares=[spare],
@@ -209,7 +199,7 @@ class Executor:
             committed_step=committed,
             switch_after=switch_after,
         )
-        self.events.append(
+        self.ctx.events.append(
             ev.SPARE_PROMOTED,
             node=spare,
             replaces=fault.node,
@@ -218,7 +208,7 @@ class Executor:
         )
         self.job.migration = Migration(
             epoch=new.epoch,
-            started=self.clock.time(),
+            started=self.ctx.clock.time(),
             committed=committed,
             failed=(fault.node,),
             planned=True,
@@ -236,7 +226,7 @@ class Executor:
 
     def _regroup(self, plan: Plan) -> None:
         self.change_membership(plan.membership)
-        self.events.append(
+        self.ctx.events.append(
             ev.MIGRATION_STARTED,
             failed=[],
             spares=[],
@@ -247,7 +237,7 @@ class Executor:
             **self._chained_from(),
         )
         self.job.migration = chained(
-            self.job.migration, plan.membership.epoch, self.clock.time(), None, (), Resolution.REGROUP
+            self.job.migration, plan.membership.epoch, self.ctx.clock.time(), None, (), Resolution.REGROUP
         )
         self.orders.reconfigure(list(plan.membership.active))
         self.job.enter(RunState.RECOVERING)
@@ -256,7 +246,7 @@ class Executor:
         self.job.enter(RunState.RECOVERING)
         new = plan.membership
         for spare, node in zip(plan.promoted, plan.lost_nodes, strict=True):
-            self.events.append(
+            self.ctx.events.append(
                 ev.SPARE_PROMOTED, epoch=new.epoch, node=spare, replaces=node, ranks=list(new.ranks_of(spare))
             )
         self.change_membership(new)
@@ -278,8 +268,8 @@ class Executor:
         failed = plan.lost_nodes
         why: dict[str, Any] = {"fallback": plan.fallback, "detail": plan.detail} if plan.fallback else {}
         if self._held is not None:  # the job held its step this long for a spare
-            why["held_s"] = round(self.clock.time() - self._held.since, 3)
-        self.events.append(
+            why["held_s"] = round(self.ctx.clock.time() - self._held.since, 3)
+        self.ctx.events.append(
             ev.MIGRATION_STARTED,
             failed=failed,
             spares=list(plan.promoted),
@@ -295,13 +285,13 @@ class Executor:
     def _relaunch(self, relaunch: list[str], plan: Plan, committed: int | None, **restarted: Any) -> None:
         """Stop and relaunch ``relaunch`` in the new epoch, promote the spares; all resume."""
         new = self.job.membership
-        self.launcher.stop([self.job.steps[n] for n in relaunch], self.config.stop_timeout)
+        self.launcher.stop([self.job.steps[n] for n in relaunch], self.ctx.config.stop_timeout)
         for node in relaunch:
             self.job.steps[node] = self.launcher.launch(node, new)
         for spare in plan.promoted:
             self.orders.promote(spare, PromoteMode.RESTART)
         self.job.restarts += 1
-        self.events.append(
+        self.ctx.events.append(
             ev.RESTARTED,
             restarts=self.job.restarts,
             active=list(new.active),
@@ -312,7 +302,7 @@ class Executor:
         self.job.migration = chained(
             self.job.migration,
             new.epoch,
-            self.clock.time(),
+            self.ctx.clock.time(),
             committed,
             plan.lost_nodes,
             Resolution.CHECKPOINT,
@@ -327,7 +317,7 @@ class Executor:
         spares_left = len(plan.membership.spares) + len(plan.promoted)
         for node in plan.dropped:
             extra = {"reason": plan.detail} if plan.drained else {}
-            self.events.append(
+            self.ctx.events.append(
                 ev.SPARE_LOST, epoch=plan.membership.epoch, node=node, spares_left=spares_left, **extra
             )
             if plan.drained:  # its standby tasks leave, then its node is released
@@ -338,12 +328,12 @@ class Executor:
         """End the job: spares leave, every step stops, the end is logged."""
         for node in self.job.membership.spares:
             self.orders.stop_standby(node, message)
-        self.launcher.stop(self.job.steps.values(), self.config.stop_timeout)
+        self.launcher.stop(self.job.steps.values(), self.ctx.config.stop_timeout)
         self.job.enter(state)
         self.job.exit_code, self.job.message = exit_code, message
         self.allocation.close()  # the releases in flight are logged before the end
         kind = ev.FINISHED if state == RunState.SUCCEEDED else ev.FAILED
-        self.events.append(
+        self.ctx.events.append(
             kind, exit_code=exit_code, message=message, restarts=self.job.restarts, **supervisor_cpu()
         )
         (logger.info if state == RunState.SUCCEEDED else logger.error)("%s (exit %d)", message, exit_code)

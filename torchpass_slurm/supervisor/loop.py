@@ -50,6 +50,7 @@ from torchpass_slurm.rundir.status import write_status
 from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.supervisor import hold
 from torchpass_slurm.supervisor.completion import Completion
+from torchpass_slurm.supervisor.context import JobContext
 from torchpass_slurm.supervisor.detect import Detectors
 from torchpass_slurm.supervisor.execute import Executor
 from torchpass_slurm.supervisor.membership import Membership
@@ -132,30 +133,12 @@ class Supervisor:
         self.batch_host = socket.gethostname() if batch_host is None else batch_host
         self.job = JobState(job_id=job_id, membership=membership)
         self.probe = probe
-        self.detectors = Detectors(
-            self.job, slurm=slurm, config=config, clock=clock, events=events, probe=probe
-        )
-        self.executor = Executor(
-            self.job,
-            launcher=launcher,
-            server=server,
-            slurm=slurm,
-            events=events,
-            config=config,
-            clock=clock,
-            store=store,
-        )
-        self.completion = Completion(self.job, events=events, clock=clock)
+        ctx = JobContext(self.job, slurm=slurm, events=events, config=config, clock=clock, probe=probe)
+        self.detectors = Detectors(ctx)
+        self.executor = Executor(ctx, launcher=launcher, server=server, store=store)
+        self.completion = Completion(ctx)
         #: asks Slurm for a node whenever a spare was used (``refill``: tp run's jobs do)
-        self.pool = SparePool(
-            self.job,
-            slurm=slurm,
-            events=events,
-            config=config,
-            clock=clock,
-            target=len(membership.spares) if refill else 0,
-            probe=probe,
-        )
+        self.pool = SparePool(ctx, target=len(membership.spares) if refill else 0)
         #: what must live as long as the supervisor (the rendezvous store), closed after it
         self.keepalive: Any = None
         self._next_status = 0.0

@@ -20,13 +20,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from torchpass_slurm.config import NodeRole, SupervisorConfig
+from torchpass_slurm.config import NodeRole
 from torchpass_slurm.control.bodies import Promote, PromoteMode, Reconfigure, Stop
 from torchpass_slurm.control.messages import Kind
 from torchpass_slurm.control.schema import JSONObject
 from torchpass_slurm.control.server import ControlServer
 from torchpass_slurm.errors import ControlPlaneError
-from torchpass_slurm.supervisor.state import Clock, JobState
+from torchpass_slurm.supervisor.context import JobContext
 from torchpass_slurm.supervisor.workers import WorkerState, master_port
 
 __all__ = ["Orders"]
@@ -50,19 +50,10 @@ class _Promotion:
 class Orders:
     """The supervisor's messages to the workers of one job; see the module docstring."""
 
-    def __init__(
-        self,
-        job: JobState,
-        *,
-        server: ControlServer,
-        config: SupervisorConfig,
-        clock: Clock,
-        store: tuple[str, int],
-    ) -> None:
-        self.job = job
+    def __init__(self, ctx: JobContext, *, server: ControlServer, store: tuple[str, int]) -> None:
+        self.ctx = ctx
+        self.job = ctx.job
         self.server = server
-        self.config = config
-        self.clock = clock
         self.store_addr, self.store_port = store
         self._promotions: dict[str, _Promotion] = {}
         self._released: set[int] = set()
@@ -78,7 +69,7 @@ class Orders:
         """Promote the spare once its step is on standby (now, if it already is); ``after``: a
         leaving node and its ranks, whose copy of step ``switch_after`` (or ``released``) the
         promotion waits for too."""
-        deadline = self.clock.monotonic() + self.config.startup_timeout
+        deadline = self.ctx.clock.monotonic() + self.ctx.config.startup_timeout
         leaving = None if after is None else (after[0], frozenset(after[1]))
         self._promotions[node] = _Promotion(mode, deadline, leaving, switch_after)
         self.advance()
@@ -94,7 +85,7 @@ class Orders:
 
     def advance(self) -> None:
         """Send the promotions whose spares are ready (or whose wait is over)."""
-        now = self.clock.monotonic()
+        now = self.ctx.clock.monotonic()
         for node, pending in list(self._promotions.items()):
             step = self.job.steps[node]
             if not self._left(pending) and step.poll() is None:
@@ -126,7 +117,7 @@ class Orders:
         step.live = step.live or mode == PromoteMode.LIVE
         step.heartbeats.clear()
         step.hello_senders.clear()
-        step.started = self.clock.time()
+        step.started = self.ctx.clock.time()
         for sender in sorted(step.standby_senders):
             local = int(sender.rsplit("/", 1)[1])
             rank = m.rank_base(node) + local

@@ -68,13 +68,11 @@ import queue
 import threading
 from dataclasses import dataclass
 
-from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.errors import SlurmError
 from torchpass_slurm.rundir import events as ev
-from torchpass_slurm.slurm import SlurmBackend
 from torchpass_slurm.slurm.cli_backend import EXPANSION_BLOCKER
-from torchpass_slurm.supervisor.probe import Probe
-from torchpass_slurm.supervisor.state import Clock, JobState, RunState
+from torchpass_slurm.supervisor.context import JobContext
+from torchpass_slurm.supervisor.state import Clock, RunState
 
 __all__ = ["SparePool", "Granted", "DEFAULT_SLURMD_TIMEOUT_S"]
 
@@ -100,21 +98,10 @@ class Granted:
 class SparePool:
     """Asks Slurm for nodes until the job holds ``target`` spares again; see the module docstring."""
 
-    def __init__(
-        self,
-        job: JobState,
-        *,
-        slurm: SlurmBackend,
-        events: ev.EventLog,
-        config: SupervisorConfig,
-        clock: Clock,
-        target: int,
-        probe: Probe | None = None,
-    ) -> None:
-        self.job, self.slurm, self.events, self.config, self.clock = job, slurm, events, config, clock
+    def __init__(self, ctx: JobContext, *, target: int) -> None:
+        self.ctx = ctx
+        self.job = ctx.job
         self.target = target
-        #: asks a lost node's slurmd whether it is up (None: only Slurm's word and the wait)
-        self.probe = probe
         #: requests in flight on the pool's thread
         self.asking = 0
         self._granted: list[Granted] = []
@@ -150,8 +137,8 @@ class SparePool:
         if not self.can_refill:
             return 0.0
         if self.job.holding is None:
-            return self.config.spare_wait
-        return max(0.0, self.job.holding.until - self.clock.monotonic())
+            return self.ctx.config.spare_wait
+        return max(0.0, self.job.holding.until - self.ctx.clock.monotonic())
 
     def check(self) -> None:
         """Collect what Slurm answered, and ask again while the pool is short (the loop's thread)."""
@@ -161,13 +148,13 @@ class SparePool:
         # the job, its death then cancelled the job (Slurm 24.11, a heterogeneous job)
         holding = self.job.holding.nodes if self.job.holding is not None else []
         for node in [*self.job.membership.failed, *holding]:
-            self._lost.setdefault(node, (self.clock.monotonic(), self.clock.time()))
+            self._lost.setdefault(node, (self.ctx.clock.monotonic(), self.ctx.clock.time()))
         if self.target <= 0 or self.job.state not in (RunState.RUNNING, RunState.RECOVERING):
             return
         coming = self.asking + len(self._granted) + len(self._returning)
         held = len(self.job.holding.faults) if self.job.holding is not None else 0  # a spare each, first
         short = self.target + held - len(self.job.membership.spares) - coming
-        now = self.clock.monotonic()
+        now = self.ctx.clock.monotonic()
         # One request at a time: two in flight were both given the same node once it came free
         # (Slurm shares nodes between allocations), and merging it twice took a CPU off the job.
         if short <= 0 or self.asking or now < self._next_try or self._blocked is not None:
@@ -178,11 +165,11 @@ class SparePool:
                 "on a node merged into the job stays pending (Slurm 24.11, measured); the spare pool "
                 "refills only jobs of one task per node for now"
             )
-            self.events.append(ev.SPARE_REFUSED, error=self._blocked, seconds=0.0)
+            self.ctx.events.append(ev.SPARE_REFUSED, error=self._blocked, seconds=0.0)
             logger.warning("%s", self._blocked)
             return
         self.asking += 1
-        self.events.append(ev.SPARE_REQUESTED, held=len(self.job.membership.spares), target=self.target)
+        self.ctx.events.append(ev.SPARE_REQUESTED, held=len(self.job.membership.spares), target=self.target)
         lost = dict(self._lost)
         kept = {n: at for n, at in lost.items() if n in self.job.unreleased}
         thread = threading.Thread(
@@ -193,7 +180,7 @@ class SparePool:
     def give_back(self, node: str) -> None:
         """``node`` lost its rank but not its health: it rejoins as a spare once its old step
         has ended (the loop's thread)."""
-        self._returning.append(Granted(node, self.clock.monotonic(), returned=True))
+        self._returning.append(Granted(node, self.ctx.clock.monotonic(), returned=True))
         self._lost.pop(node, None)
 
     def ready(self) -> list[Granted]:
@@ -229,7 +216,7 @@ class SparePool:
         if not self.asking:
             return
         try:
-            self.slurm.cancel_expansion(self.job.job_id)
+            self.ctx.slurm.cancel_expansion(self.job.job_id)
         except SlurmError as err:
             logger.warning("could not withdraw the request for a spare: %s", err)
 
@@ -249,8 +236,8 @@ class SparePool:
             # never a node the job gave back as drained (maintenance, a bad health check), nor
             # one it lost that may be dead though Slurm does not know it yet
             exclude = sorted(set(self.job.released) | self._maybe_dead(requested_at, lost))
-            nodes = self.slurm.expand_job(
-                self.job.job_id, wait_s=round(self.config.refill_wait), exclude=exclude
+            nodes = self.ctx.slurm.expand_job(
+                self.job.job_id, wait_s=round(self.ctx.config.refill_wait), exclude=exclude
             )
             self._outcomes.put((requested_at, nodes, "", False, False))
         except SlurmError as err:
@@ -264,7 +251,7 @@ class SparePool:
         restarted since the loss and accepts a connection (a rank that hung, a process killed).
         Not one powered off and on again: Slurm 22.05 kept its lost step running on it, and a
         new step there stayed pending (the bookworm dev cluster)."""
-        if self.probe is None:
+        if self.ctx.probe is None:
             return []
         same = self._not_restarted({n: wall for n, (_, wall) in kept.items()})
         return [n for n in sorted(same or ()) if self._answers(n)]
@@ -280,7 +267,7 @@ class SparePool:
         stale = self._not_restarted(suspects)
         if stale is None:
             return set(suspects)
-        if self.probe is None:
+        if self.ctx.probe is None:
             return stale
         return {n for n in stale if not self._answers(n)}
 
@@ -288,15 +275,15 @@ class SparePool:
         """The nodes whose slurmd has not started since their loss (``lost_at``: unix time), or
         None when Slurm could not say."""
         try:
-            started = self.slurm.slurmd_started(lost_at)
+            started = self.ctx.slurm.slurmd_started(lost_at)
         except SlurmError as err:
             logger.info("could not read when slurmd started on %s (%s)", ",".join(lost_at), err)
             return None
         return {n for n, wall in lost_at.items() if started.get(n, 0.0) <= wall}
 
     def _answers(self, node: str) -> bool:
-        assert self.probe is not None
-        result = self.probe.probe_now(node)
+        assert self.ctx.probe is not None
+        result = self.ctx.probe.probe_now(node)
         if result.slurmd:
             logger.info("%s may serve again: %s", node, result.detail)
         return result.slurmd
@@ -307,8 +294,8 @@ class SparePool:
             return None
         self._checked = True
         try:
-            flags = self.slurm.config_value("PrologFlags") or ""
-            timeout = self.slurm.config_value("SlurmdTimeout") or ""
+            flags = self.ctx.slurm.config_value("PrologFlags") or ""
+            timeout = self.ctx.slurm.config_value("SlurmdTimeout") or ""
         except SlurmError as err:
             logger.info("could not read slurmctld's settings (%s): asking for spares anyway", err)
             return None
@@ -329,15 +316,17 @@ class SparePool:
             except queue.Empty:
                 return
             self.asking -= 1
-            waited = round(self.clock.monotonic() - requested_at, 3)
+            waited = round(self.ctx.clock.monotonic() - requested_at, 3)
             if blocked:
                 self._blocked = error
-                self.events.append(ev.SPARE_REFUSED, error=error, seconds=0.0)
+                self.ctx.events.append(ev.SPARE_REFUSED, error=error, seconds=0.0)
                 logger.warning("%s", error)
             elif nodes is None:
-                self._next_try = self.clock.monotonic() + self.config.refill_retry
-                self.events.append(ev.SPARE_REFUSED, error=error[:500], seconds=waited)
-                logger.warning("Slurm gave no spare (again in %.0f s): %s", self.config.refill_retry, error)
+                self._next_try = self.ctx.clock.monotonic() + self.ctx.config.refill_retry
+                self.ctx.events.append(ev.SPARE_REFUSED, error=error[:500], seconds=waited)
+                logger.warning(
+                    "Slurm gave no spare (again in %.0f s): %s", self.ctx.config.refill_retry, error
+                )
             else:
                 self._granted.extend(Granted(node, requested_at, in_job=in_job) for node in nodes)
 

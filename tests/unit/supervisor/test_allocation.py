@@ -10,10 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.errors import SlurmError
 from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.supervisor import allocation as allocation_module
 from torchpass_slurm.supervisor.allocation import Allocation
+from torchpass_slurm.supervisor.context import JobContext
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.state import JobState
 
@@ -41,7 +43,9 @@ class HeldSlurm:
 def allocation(tmp_path: Path, slurm: HeldSlurm) -> tuple[Allocation, Path]:
     path = tmp_path / ev.EVENTS_FILE
     job = JobState(job_id=9, membership=Membership.initial(["c1", "c2", "c3", "c4"], 3, 1))
-    return Allocation(job, slurm=slurm, events=ev.EventLog(path, job="9")), path  # type: ignore[arg-type]
+    events = ev.EventLog(path, job="9")
+    ctx = JobContext(job, slurm=slurm, events=events, config=SupervisorConfig(), clock=time)  # type: ignore[arg-type]
+    return Allocation(ctx), path
 
 
 def released(path: Path) -> list[dict[str, object]]:

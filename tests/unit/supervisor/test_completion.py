@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from torchpass_slurm.config import SupervisorConfig
 from torchpass_slurm.faults import Resolution
 from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.supervisor.completion import Completion
+from torchpass_slurm.supervisor.context import JobContext
 from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.state import JobState, Migration
 
@@ -23,7 +25,9 @@ class Clock:
 def completion(tmp_path: Path, migration: Migration | None) -> tuple[Completion, Path]:
     path = tmp_path / ev.EVENTS_FILE
     job = JobState(job_id=7, membership=Membership.initial(["c1", "c2", "c3"], 2, 1), migration=migration)
-    return Completion(job, events=ev.EventLog(path, job="7", clock=Clock().time), clock=Clock()), path
+    events = ev.EventLog(path, job="7", clock=Clock().time)
+    ctx = JobContext(job, slurm=None, events=events, config=SupervisorConfig(), clock=Clock())  # type: ignore[arg-type]
+    return Completion(ctx), path
 
 
 def done_events(path: Path) -> list[dict[str, object]]:
