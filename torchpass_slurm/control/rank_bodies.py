@@ -92,8 +92,10 @@ def _tasks_to_wire(tasks: tuple[TaskBeat, ...]) -> list[list[Any]]:
 
 
 @dataclass(frozen=True)
-class Hello:
+class Hello(schema.Body):
     """An active task is up: ``node/local_rank`` holds global ``rank`` (None: not known yet)."""
+
+    WIRE_NAME = "hello"
 
     node: str
     rank: int | None = field(metadata=wire(null=True))
@@ -105,19 +107,14 @@ class Hello:
     #: the task is a spare that was promoted
     promoted: bool | None = None
 
-    def to_body(self) -> JSONObject:
-        return schema.dump(self)
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> Hello:
-        return schema.parse(cls, body, "'hello' body")
-
 
 @dataclass(frozen=True)
-class Heartbeat:
+class Heartbeat(schema.Body):
     """A task is alive, at committed ``step`` (None: none yet) in phase ``state``
     (``torchpass_slurm.phase``). A node's local rank 0 adds the other tasks' beats
     (``tasks``); a rank's beat to its local rank 0 carries its ``pid``."""
+
+    WIRE_NAME = "heartbeat"
 
     rank: int | None = field(metadata=wire(null=True))
     step: int | None = field(metadata=wire(null=True))
@@ -127,44 +124,27 @@ class Heartbeat:
     )
     pid: int | None = None
 
-    def to_body(self) -> JSONObject:
-        return schema.dump(self)
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> Heartbeat:
-        return schema.parse(cls, body, "'heartbeat' body")
-
 
 @dataclass(frozen=True)
-class Bye:
+class Bye(schema.Body):
     """A task leaves (its last heartbeat's fields, all optional)."""
+
+    WIRE_NAME = "bye"
 
     rank: int | None = field(default=None, metadata=wire(null=True))
     step: int | None = field(default=None, metadata=wire(null=True))
     state: str | None = None
 
-    def to_body(self) -> JSONObject:
-        return schema.dump(self)
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> Bye:
-        return schema.parse(cls, body, "'bye' body")
-
 
 @dataclass(frozen=True)
-class Standby:
+class Standby(schema.Body):
     """A spare's task ``node/local_rank`` waits for promote or stop."""
+
+    WIRE_NAME = "standby"
 
     node: str
     local_rank: int
     pid: int | None = None
-
-    def to_body(self) -> JSONObject:
-        return schema.dump(self)
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> Standby:
-        return schema.parse(cls, body, "'standby' body")
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,13 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from torchpass_slurm.errors import ControlPlaneError
 
 __all__ = [
     "JSONObject",
+    "Body",
     "Spec",
     "wire",
     "specs",
@@ -47,6 +48,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+B = TypeVar("B", bound="Body")
 #: A JSON object as it travels: a body (what ``to_body`` returns and ``from_body`` reads), a
 #: report's fields, a copy of a rank's state. Its keys and their types are its class's.
 JSONObject = dict[str, Any]
@@ -222,3 +224,20 @@ def dump(obj: Any) -> JSONObject:
             value = list(value)
         body[spec.name] = value
     return body
+
+
+class Body:
+    """A typed body whose wire form is its dataclass's: :func:`dump` out, :func:`parse` in.
+
+    A subclass is a frozen dataclass that names its message in ``WIRE_NAME`` (for the
+    errors :func:`parse` raises); a body with more to check overrides ``from_body``.
+    """
+
+    WIRE_NAME: ClassVar[str]
+
+    def to_body(self) -> JSONObject:
+        return dump(self)
+
+    @classmethod
+    def from_body(cls: type[B], body: Mapping[str, Any]) -> B:
+        return parse(cls, body, f"'{cls.WIRE_NAME}' body")
