@@ -3,7 +3,8 @@
 The stream is the tensors' bytes back to back, cut into ``chunk_bytes``
 pieces; a chunk may span tensor boundaries. :class:`ChunkMap` maps a chunk to
 the ``(tensor, byte range)`` pieces it covers, and hands out a zero-copy view
-when the chunk lies inside one contiguous CPU tensor.
+when the chunk lies inside one contiguous CPU tensor. The pieces of a chunk on
+a GPU cross to the host in one copy through a bucket (``device_stage.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from torchpass_slurm.errors import TransferError
+from torchpass_slurm.transfer.device_stage import DeviceOps, DeviceStager
 
 if TYPE_CHECKING:
     import torch
@@ -92,11 +94,19 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 class ChunkMap:
     """Chunk index -> pieces of the tensors, for one side's tensors in stream order."""
 
-    def __init__(self, manifest: Manifest, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, manifest: Manifest, tensors: Sequence[torch.Tensor], ops: DeviceOps | None = None
+    ) -> None:
         self.manifest = manifest
         self.tensors = list(tensors)
         self.offsets = [e.offset for e in manifest.entries]
         self._views: dict[int, torch.Tensor] = {}
+        bucket = min(manifest.chunk_bytes, manifest.total_bytes)
+        self.stager = DeviceStager(ops if ops is not None else DeviceOps(), self.tensors, self.view, bucket)
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A staging buffer on the host (pinned when a tensor is on a GPU)."""
+        return self.stager.host_buffer(nbytes)
 
     def view(self, i: int) -> torch.Tensor:
         """The byte view of tensor ``i`` (a contiguous copy for a non-contiguous one, cached alone)."""
@@ -131,7 +141,7 @@ class ChunkMap:
             return None
         i, start, n, _ = pieces[0]
         t = self.tensors[i]
-        if t.device.type != "cpu" or not t.is_contiguous():
+        if self.stager.device_of(i) is not None or not t.is_contiguous():
             return None
         return self.view(i)[start : start + n]
 
@@ -139,11 +149,13 @@ class ChunkMap:
         """Copy chunk ``index`` into ``staging`` (on the CPU) and return the filled part."""
         start, end = self.manifest.chunk_span(index)
         out = staging[: end - start]
-        for i, t_start, n, c_start in self.pieces(index):
-            out[c_start : c_start + n].copy_(self.view(i)[t_start : t_start + n])
+        self.stager.gather(self.pieces(index), out)
         return out
 
     def scatter(self, index: int, data: torch.Tensor) -> None:
         """Write a received chunk into the destination tensors."""
-        for i, t_start, n, c_start in self.pieces(index):
-            self.view(i)[t_start : t_start + n].copy_(data[c_start : c_start + n])
+        self.stager.scatter(self.pieces(index), data)
+
+    def finish(self) -> None:
+        """Wait for the device copies still queued (call once the last chunk was scattered)."""
+        self.stager.finish()

@@ -28,7 +28,9 @@ arrived bad are resent at the end; a different manifest starts at 0.
 Pipelining: the donor prepares and checksums chunk i+1 while chunk i is in
 flight (two staging buffers, reused); the receiver posts the receive of chunk
 i+1 before it verifies chunk i. A chunk that lies inside one contiguous CPU
-tensor is sent from / received into that tensor directly (no staging copy).
+tensor is sent from / received into that tensor directly (no staging copy); the
+pieces of a chunk on a GPU cross in one copy through a bucket and pinned host
+buffers (:mod:`.device_stage`; ``device_ops`` stands in for the device in tests).
 
 Test hooks: chunks listed in ``corrupt_chunks`` get one byte flipped after
 their digest was computed, on their first transmission only; the environment
@@ -55,6 +57,7 @@ from torchpass_slurm.transfer.chunks import (
     send_ints,
     unpack_header,
 )
+from torchpass_slurm.transfer.device_stage import DeviceOps
 from torchpass_slurm.transfer.hooks import corrupt_chunks_from_env, take_stall
 from torchpass_slurm.transfer.manifest import Manifest, build_manifest, chunk_digest
 from torchpass_slurm.transfer.materialize import alloc_limit, check_allocation, materialize
@@ -145,13 +148,16 @@ def send_state(
     corrupt_chunks: Collection[int] = (),
     digest_algo: str = DEFAULT_DIGEST,
     seal: Seal | None = None,
+    device_ops: DeviceOps | None = None,
 ) -> TransferStats:
     """Stream ``state`` to the receiver at the other end of ``transport``.
 
     ``timeout`` bounds every single wait (no progress for that long fails the
     transfer), not the whole transfer. With ``seal`` the stream is sealed (the
-    chunk digests are MACs, ``digest_algo`` is not used). Raises TransferError
-    when the receiver rejects the manifest or gives up, or the transport fails.
+    chunk digests are MACs, ``digest_algo`` is not used). Tensors on a GPU go
+    through a one-chunk bucket on it (``device_ops``: the default is torch's).
+    Raises TransferError when the receiver rejects the manifest or gives up, or
+    the transport fails.
     """
     began = time.monotonic()
     algo = SEALED_DIGEST if seal is not None else digest_algo
@@ -166,7 +172,7 @@ def send_state(
     if not 0 <= start <= manifest.n_chunks:
         raise TransferError(f"the receiver asked to start at chunk {start} of {manifest.n_chunks}")
     stats = TransferStats(resumed_from=start, manifest_bytes=len(raw))
-    sender = _ChunkSender(transport, ChunkMap(manifest, tensors), timeout, stats, seal)
+    sender = _ChunkSender(transport, ChunkMap(manifest, tensors, device_ops), timeout, stats, seal)
     corrupt = set(corrupt_chunks) | corrupt_chunks_from_env()
     sender.send(range(start, manifest.n_chunks), corrupt, take_stall())
     while True:
@@ -215,7 +221,7 @@ class _ChunkSender:
         self.transport, self.cmap, self.timeout, self.stats = transport, cmap, timeout, stats
         size, self.digest = chunk_digest(cmap.manifest.digest_algo, seal)
         n = min(cmap.manifest.chunk_bytes, cmap.manifest.total_bytes)
-        self.staging = [torch.empty(n, dtype=torch.uint8) for _ in range(2)]
+        self.staging = [cmap.host_buffer(n) for _ in range(2)]
         self.digests = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
 
     def send(
@@ -268,6 +274,7 @@ def recv_state(
     max_alloc_bytes: int | None = None,
     accept: Callable[[Manifest], None] | None = None,
     seal: Seal | None = None,
+    device_ops: DeviceOps | None = None,
 ) -> tuple[dict[Any, Any], TransferStats]:
     """Receive a state from the donor at the other end of ``transport``.
 
@@ -283,7 +290,8 @@ def recv_state(
     metadata against its own mesh this way). A manifest refused for any reason
     is answered with "rejected" (the donor raises) and raises TransferError here.
     With ``seal`` only a stream sealed with the same key is accepted (module
-    docstring); without one, a sealed stream is refused.
+    docstring); without one, a sealed stream is refused. ``into`` tensors on a
+    GPU are filled through a one-chunk bucket on it (``device_ops``, as for send_state).
     """
     began = time.monotonic()
     progress = progress if progress is not None else ReceiveProgress()
@@ -292,7 +300,8 @@ def recv_state(
     start = progress.received
     send_ints(transport, [start], timeout)
     stats = TransferStats(resumed_from=start, manifest_bytes=raw_len)
-    receiver = _ChunkReceiver(transport, ChunkMap(manifest, progress.tensors), timeout, stats, progress, seal)
+    cmap = ChunkMap(manifest, progress.tensors, device_ops)
+    receiver = _ChunkReceiver(transport, cmap, timeout, stats, progress, seal)
     receiver.receive(range(start, manifest.n_chunks), streaming=True)
     for _ in range(MAX_RESEND_ROUNDS):
         if not progress.bad:
@@ -310,6 +319,7 @@ def recv_state(
             f"resends: {sorted(progress.bad)[:16]}",
             hint="the link or a NIC may corrupt data; try another donor or transport",
         )
+    cmap.finish()  # the last chunks' device copies
     send_ints(transport, [0], timeout)
     stats.done("received", time.monotonic() - began, start)
     return progress.state, stats
@@ -434,7 +444,7 @@ class _ChunkReceiver:
         self.stats, self.progress = stats, progress
         size, self.digest = chunk_digest(cmap.manifest.digest_algo, seal)
         n = min(cmap.manifest.chunk_bytes, cmap.manifest.total_bytes)
-        self.staging = [torch.empty(n, dtype=torch.uint8) for _ in range(2)]
+        self.staging = [cmap.host_buffer(n) for _ in range(2)]
         self.digests = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
 
     def receive(self, indices: Iterable[int], *, streaming: bool) -> None:
