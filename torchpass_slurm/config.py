@@ -77,6 +77,50 @@ DEFAULT_HEALTH_INTERVAL_S = 60.0
 DEFAULT_SUPERVISOR_GRACE_S = 15.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 15.0
 
+#: The environment a rank that trains on NCCL needs for in-process recovery (name -> (value,
+#: why)); ``tp run`` puts each in every step's environment unless the job set it itself
+#: (:func:`nccl_recovery_env`), and a rank that builds a NCCL group warns about a value that
+#: defeats it (``rank/backends.py``). Harmless without NCCL: only torch's ProcessGroupNCCL
+#: and libnccl read them, when a NCCL communicator is made. docs/design/nccl.md.
+NCCL_RECOVERY_ENV: Mapping[str, tuple[str, str]] = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": (
+        "2",
+        "on a failed or timed-out collective the watchdog aborts the communicator only; "
+        "torch's default (3) ends the process, and a survivor must live to rejoin",
+    ),
+    "TORCH_NCCL_RETHROW_CUDA_ERRORS": (
+        "0",
+        "a CUDA error the watchdog sees is not rethrown on its thread (which ends the process)",
+    ),
+    "TORCH_NCCL_ENABLE_MONITORING": (
+        "0",
+        "no heartbeat monitor that kills a rank whose watchdog is stuck (480 s): the supervisor's "
+        "heartbeats and hang watch judge a stuck rank, and a survivor in an abort is not stuck",
+    ),
+    "TORCH_NCCL_USE_COMM_NONBLOCKING": (
+        "1",
+        "every communicator non-blocking, a DeviceMesh's sub-groups too: only a non-blocking "
+        "communicator can be aborted at any point (NCCL's fault-tolerance rule)",
+    ),
+    "TORCH_NCCL_NONBLOCKING_TIMEOUT": (
+        "120",
+        "a non-blocking init or finalize waits this long (seconds; torch's default is 30 min), "
+        "the rendezvous timeout of an epoch (rank/elastic.py RENDEZVOUS_TIMEOUT)",
+    ),
+    "NCCL_NVLS_ENABLE": (
+        "0",
+        "no NVLink SHARP buffers: their multicast memory is not released by an abort "
+        "(NVIDIA resiliency-ext's known issue for in-process restart)",
+    ),
+}
+
+
+def nccl_recovery_env(job_env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of :data:`NCCL_RECOVERY_ENV` that ``job_env`` (the job's own environment)
+    does not set, with their values: the job's own setting wins (precedence: environment >
+    default), and a rank warns when it defeats recovery."""
+    return {name: value for name, (value, _) in NCCL_RECOVERY_ENV.items() if name not in job_env}
+
 
 def env_float(name: str, default: float, *, minimum: float = 0.0) -> float:
     """A float setting from the environment, with a clear error on bad values."""

@@ -57,6 +57,7 @@ from torchpass_slurm.control.bodies import PromoteMode, Reconfigure
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.errors import CollectiveError, TransferError
 from torchpass_slurm.phase import Phase
+from torchpass_slurm.rank.backends import AUTO, choose_backend, training_device
 from torchpass_slurm.rank.group import destroy_group, release_kept, stacks_if_slow, tearing_down
 from torchpass_slurm.rank.handover import Handover
 from torchpass_slurm.rank.rankstate import RankState
@@ -211,7 +212,7 @@ class ElasticTrainer:
         self.training = training
         self.scheduler = scheduler
         self.handover = Handover(rt, training)
-        self.backend = backend
+        self.backend = choose_backend(backend, training_device(training)) if backend == AUTO else backend
         self.ddp_kwargs = dict[str, Any]()  # the keyword arguments of every DDP wrap (DDP's alone)
         self.step = start_step
         self._wrapped: nn.Module | None = None  # the module train_step is given, if not the model

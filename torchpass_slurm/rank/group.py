@@ -56,7 +56,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +66,9 @@ __all__ = [
     "GroupSocket",
     "socket_inodes",
     "group_sockets",
+    "AbortAll",
     "adopt_group",
+    "live_group",
     "adopt_subgroup_sockets",
     "destroy_group",
     "release_kept",
@@ -93,14 +95,21 @@ class GroupSocket:
     inode: int
 
 
+#: A backend's abort of every group of this rank at once (``rank/backends.py``: NCCL's group
+#: abort); how many groups it aborted. None: gloo's, the recorded sockets shut down.
+AbortAll = Callable[[logging.LoggerAdapter[logging.Logger]], int]
+
+
 @dataclass
 class _Live:
-    """The default group as it was built for ``epoch``, its sockets; ``aborted`` once aborted."""
+    """The default group as it was built for ``epoch``, its sockets; ``aborted`` once aborted;
+    ``abort_all``: the backend's own abort, in place of the sockets' (NCCL)."""
 
     group: Any
     epoch: int
     sockets: tuple[GroupSocket, ...] = ()
     aborted: bool = False
+    abort_all: AbortAll | None = None
 
 
 _live: _Live | None = None
@@ -193,14 +202,20 @@ def _shut_down(sockets: tuple[GroupSocket, ...], log: logging.LoggerAdapter[logg
     return done
 
 
-def adopt_group(epoch: int, sockets: tuple[GroupSocket, ...] = ()) -> None:
+def adopt_group(epoch: int, sockets: tuple[GroupSocket, ...] = (), abort_all: AbortAll | None = None) -> None:
     """Record the default group just built as the one of ``epoch`` (after init_process_group),
-    with the sockets :func:`group_sockets` found it opened."""
+    with the sockets :func:`group_sockets` found it opened, or the backend's ``abort_all``."""
     import torch.distributed as dist
 
     global _live
     with _lock:
-        _live = _Live(dist.group.WORLD, epoch, sockets)
+        _live = _Live(dist.group.WORLD, epoch, sockets, abort_all=abort_all)
+
+
+def live_group() -> tuple[int, bool] | None:
+    """The recorded group's epoch and whether it was aborted; None when there is none."""
+    live = _live
+    return None if live is None else (live.epoch, live.aborted)
 
 
 def adopt_subgroup_sockets(sockets: tuple[GroupSocket, ...]) -> int:
@@ -288,6 +303,8 @@ def shut_down_broken_group(log: logging.LoggerAdapter[logging.Logger]) -> int:
         if live is None or live.aborted:
             return 0
         live.aborted = True
+        if live.abort_all is not None:
+            return live.abort_all(log)
         return _shut_down(live.sockets, log)
 
 
@@ -396,6 +413,16 @@ def abort_group_before(epoch: int, log: logging.LoggerAdapter[logging.Logger]) -
         live = _live
         if live is None or live.epoch >= epoch or live.aborted:
             return False
+        if live.abort_all is not None:  # NCCL: every group at once (rank/backends.py)
+            live.aborted = True
+            aborted = live.abort_all(log)
+            log.warning(
+                "aborted %d process groups of epoch %d at once: epoch %d replaces them",
+                aborted,
+                live.epoch,
+                epoch,
+            )
+            return aborted > 0
         if not live.sockets and not can_abort(live.group):
             return False
         live.aborted = True

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchpass_slurm.errors import ConfigError, RendezvousTimeout
-from torchpass_slurm.rank.group import adopt_group, group_sockets, socket_inodes
+from torchpass_slurm.rank.backends import GroupBackend, group_backend
 from torchpass_slurm.rank.rankinfo import RankInfo
 
 __all__ = ["EpochRendezvous", "make_tcp_store"]
@@ -43,27 +43,25 @@ class EpochRendezvous:
     def join(
         self,
         info: RankInfo,
-        backend: str,
+        backend: str | GroupBackend,
         timeout: datetime.timedelta,
         rendezvous_timeout: datetime.timedelta | None = None,
     ) -> None:
-        """Build ``info``'s group: ``timeout`` bounds every collective, ``rendezvous_timeout``
-        (default: the same) how long to wait for every rank to arrive."""
+        """Build ``info``'s group through ``backend`` (``rank/backends.py``): ``timeout`` bounds
+        every collective, ``rendezvous_timeout`` (default: the same) how long to wait for every
+        rank to arrive."""
         import torch.distributed as dist
 
+        seam = group_backend(backend)
         if info.store_addr and info.store_port:
             wait = rendezvous_timeout or timeout
             client = self.store(str(info.store_addr), int(info.store_port), max(wait, timeout))
             store = dist.PrefixStore(f"epoch{info.epoch}", client)
             _await_all_ranks(store, info, wait)
-            before = socket_inodes()  # gloo connects its mesh in init_process_group (group.py)
-            dist.init_process_group(
-                backend=backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
-            )
-            recorded = _adopt(info.epoch, backend, before, int(info.store_port))
+            recorded = seam.create(info, timeout, self.log, store=store)
             self.log.info(
                 "process group up: backend=%s store=%s:%s epoch %d, %d sockets recorded",
-                backend,
+                seam.name,
                 info.store_addr,
                 info.store_port,
                 info.epoch,
@@ -75,14 +73,10 @@ class EpochRendezvous:
                 f"MASTER_ADDR/MASTER_PORT are not set for a world of {info.world_size} ranks",
                 hint="export them (the sbatch examples show how)",
             )
-        before = socket_inodes()
-        dist.init_process_group(
-            backend=backend, init_method="env://", rank=info.rank, world_size=info.world_size, timeout=timeout
-        )
-        recorded = _adopt(info.epoch, backend, before, info.master_port or 0)
+        recorded = seam.create(info, timeout, self.log)
         self.log.info(
             "process group up: backend=%s master=%s:%s, %d sockets recorded",
-            backend,
+            seam.name,
             info.master_addr,
             info.master_port,
             recorded,
@@ -105,19 +99,6 @@ class EpochRendezvous:
         else:
             client.set_timeout(timeout)
         return client
-
-
-def _adopt(epoch: int, backend: str, before: dict[int, int], store_port: int) -> int:
-    """Record the group just built, with its mesh's sockets when it is gloo's; how many sockets.
-
-    Only gloo's: NCCL's own abort ends its collectives, and its sockets
-    (bootstrap, proxy) are not this module's to shut down. No socket where
-    gloo connects lazily (``TORCH_GLOO_LAZY_INIT``): the abort is then
-    ``ProcessGroup.abort`` alone, and a frozen peer costs the collective timeout.
-    """
-    sockets = group_sockets(before, exclude_ports={store_port}) if backend == "gloo" else ()
-    adopt_group(epoch, sockets)
-    return len(sockets)
 
 
 def _await_all_ranks(store: Any, info: RankInfo, wait: datetime.timedelta) -> None:

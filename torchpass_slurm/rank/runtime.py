@@ -61,7 +61,8 @@ from torchpass_slurm.control.reports import Report
 from torchpass_slurm.control.schema import JSONObject
 from torchpass_slurm.errors import ControlPlaneError
 from torchpass_slurm.phase import Phase
-from torchpass_slurm.rank.group import destroy_group, superseding
+from torchpass_slurm.rank.backends import GroupBackend, RebuildRequest, group_backend
+from torchpass_slurm.rank.group import superseding
 from torchpass_slurm.rank.health_agent import HealthAgent
 from torchpass_slurm.rank.link import (
     ClientFactory,
@@ -254,7 +255,7 @@ class Runtime:
 
     def init_process_group(
         self,
-        backend: str = "gloo",
+        backend: str | GroupBackend = "gloo",
         timeout: datetime.timedelta = DEFAULT_PG_TIMEOUT,
         rendezvous_timeout: datetime.timedelta | None = None,
     ) -> None:
@@ -271,25 +272,23 @@ class Runtime:
     def rejoin(
         self,
         body: Reconfigure,
-        backend: str = "gloo",
+        backend: str | GroupBackend = "gloo",
         timeout: datetime.timedelta = DEFAULT_PG_TIMEOUT,
         rendezvous_timeout: datetime.timedelta | None = None,
     ) -> None:
-        """Drop the broken process group and build the one of a reconfigure message's epoch."""
-        destroy_group(self.log)
+        """Drop the broken process group and build the one of a reconfigure message's epoch, as
+        the backend decides (``rank/backends.py``: a reconfigure names no excluded rank, so
+        the old group is destroyed and the new one meets in the epoch store)."""
         info = self._info()
-        self.info = RankInfo(
-            rank=info.rank,
-            world_size=body.world_size,
-            local_rank=info.local_rank,
-            local_world_size=info.local_world_size,
-            master_addr=info.master_addr,
-            master_port=info.master_port,
-            epoch=body.epoch,
-            store_addr=body.store_addr,
-            store_port=body.store_port,
-        )
-        self.init_process_group(backend, timeout, rendezvous_timeout)
+        request = RebuildRequest(epoch=body.epoch, old_world=info.world_size, new_world=body.world_size)
+        after = _next_epoch_info(info, body, request.rank_after(info.rank))
+
+        def fresh() -> None:
+            self.info = after
+            self.init_process_group(backend, timeout, rendezvous_timeout)
+
+        group_backend(backend).rebuild(request, fresh, self.log)
+        self.info = after
 
     def report(self, event: ReportKind, **fields: Any) -> None:
         """Tell the supervisor a fact for the event log (sent at once by the heartbeat thread),
@@ -421,6 +420,21 @@ class Runtime:
 
     def __repr__(self) -> str:
         return f"Runtime(role={self.role.value}, info={self.info}, promoted={self.is_spare_promoted})"
+
+
+def _next_epoch_info(info: RankInfo, body: Reconfigure, rank: int) -> RankInfo:
+    """``info`` in the epoch of ``body`` as ``rank``."""
+    return RankInfo(
+        rank=rank,
+        world_size=body.world_size,
+        local_rank=info.local_rank,
+        local_world_size=info.local_world_size,
+        master_addr=info.master_addr,
+        master_port=info.master_port,
+        epoch=body.epoch,
+        store_addr=body.store_addr,
+        store_port=body.store_port,
+    )
 
 
 def init(

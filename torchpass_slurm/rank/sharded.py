@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchpass_slurm.errors import TorchpassError, TransferError
 from torchpass_slurm.mesh import MeshLayout
+from torchpass_slurm.rank.backends import choose_backend
 from torchpass_slurm.rank.elastic import ElasticTrainer
 from torchpass_slurm.rank.group import adopt_subgroup_sockets, group_sockets, socket_inodes
 from torchpass_slurm.rank.runtime import Runtime
@@ -85,6 +86,7 @@ def ShardedTrainer(  # a constructor's name: the public API's since the first re
     process group); ``trainer.model`` and ``trainer.optimizer`` are replaced at every epoch,
     so the step function must use the model it is given.
     """
+    backend = choose_backend(backend, device_type)  # "auto": NCCL on CUDA (rank/backends.py)
     training = ShardedState(rt, build, layout, backend=backend, device_type=device_type)
     return ElasticTrainer.with_training_state(
         rt, training, backend=backend, start_step=start_step, rank_state=rank_state

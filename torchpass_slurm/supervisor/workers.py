@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -243,8 +244,11 @@ class StepLauncher:
         clock: Clock = time,
         heartbeat_per_node_from: int | None = None,
         step_args: Sequence[str] = (),
+        job_env: Mapping[str, str] | None = None,
     ) -> None:
         self.slurm = slurm
+        #: the job's own environment, which srun passes on under ``base_env`` (None: tp run's own)
+        self.job_env = job_env
         #: srun options of every step, e.g. ``--het-group=1`` (the training component of a
         #: heterogeneous job whose component 0 runs the supervisor)
         self.step_args = tuple(step_args)
@@ -271,6 +275,9 @@ class StepLauncher:
         active node that is its own spare: ``supervisor/execute.py``)."""
         role = membership.role_of(node) if role is None else role
         env = dict(self.base_env)
+        # NCCL's in-process recovery settings where the job set none (config.NCCL_RECOVERY_ENV):
+        # every step gets them, as only a NCCL communicator reads them (docs/design/nccl.md)
+        env.update(cfg.nccl_recovery_env({**(os.environ if self.job_env is None else self.job_env), **env}))
         env.update(
             {
                 cfg.ENV_JOB_ID: str(self.job_id),

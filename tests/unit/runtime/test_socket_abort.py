@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from torchpass_slurm.control.bodies import Reconfigure
-from torchpass_slurm.rank import group, rendezvous
+from torchpass_slurm.rank import backends, group
 from torchpass_slurm.rank.elastic import is_comm_error
 from torchpass_slurm.rank.runtime import Role, Runtime, make_tcp_store
 
@@ -187,11 +187,13 @@ def test_no_socket_is_recorded_without_proc(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_only_a_gloo_group_has_its_sockets_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
     adopted: list[tuple[int, tuple[group.GroupSocket, ...]]] = []
-    monkeypatch.setattr(rendezvous, "adopt_group", lambda epoch, sockets: adopted.append((epoch, sockets)))
-    monkeypatch.setattr(rendezvous, "group_sockets", lambda before, exclude_ports: (group.GroupSocket(9, 1),))
+    monkeypatch.setattr(backends, "adopt_group", lambda epoch, sockets: adopted.append((epoch, sockets)))
+    monkeypatch.setattr(backends, "group_sockets", lambda before, exclude_ports: (group.GroupSocket(9, 1),))
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: None)
+    FIVE_S = datetime.timedelta(seconds=5)
 
-    assert rendezvous._adopt(3, "nccl", {}, 1) == 0
-    assert rendezvous._adopt(4, "gloo", {}, 1) == 1
+    assert backends.GlooBackend("mpi").create(info(0, 1, 1, epoch=3), FIVE_S, LOG) == 0
+    assert backends.GlooBackend("gloo").create(info(0, 1, 1, epoch=4), FIVE_S, LOG) == 1
     assert adopted == [(3, ()), (4, (group.GroupSocket(9, 1),))]
 
 
