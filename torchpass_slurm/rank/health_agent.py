@@ -10,6 +10,14 @@ then moves the node's ranks to a spare while the node still works (a planned
 migration) and releases the node. UNKNOWN (a check that broke) is logged,
 never reported: it says nothing about the node.
 
+On NVIDIA nodes (pynvml found, GPUs not simulated) the agent also starts an
+:class:`~torchpass_slurm.health.gpu_events.NvmlEventWaiter`: GPU signals (XIDs,
+the recovery action, ECC, remaps, throttling) judged by the table in
+:mod:`torchpass_slurm.health.gpu_signals`. The worst verdict of what it finds
+goes through the same ``health_warning`` report: ``move_now`` as status
+CRITICAL, ``plan_move`` as WARNING (the summary names the signal, and so the
+drain reason does); ``app_fault`` and ``unknown`` are logged, never reported.
+
 The ECC-rate samples go to a per-job state file in the run folder: the job's
 user need not be able to write the admin's state file.
 
@@ -25,6 +33,7 @@ import dataclasses
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -37,6 +46,8 @@ from torchpass_slurm.config import (
 from torchpass_slurm.control.messages import ReportKind
 
 if TYPE_CHECKING:
+    from torchpass_slurm.health.gpu_events import NvmlEventWaiter
+    from torchpass_slurm.health.gpu_signals import Finding
     from torchpass_slurm.health.run import HealthReport
     from torchpass_slurm.health.sources import DeviceSource
 
@@ -74,6 +85,7 @@ class HealthAgent(threading.Thread):
         self.reported = False
         self._lock = threading.Lock()
         self._held: list[dict[str, Any]] = []
+        self.gpu_events: NvmlEventWaiter | None = None
 
     @classmethod
     def maybe_start(cls, report: Report | None, *, node: str, local_rank: int) -> HealthAgent | None:
@@ -108,6 +120,8 @@ class HealthAgent(threading.Thread):
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop the thread and wait up to ``timeout`` seconds for it (idempotent)."""
         self.stopping.set()
+        if self.gpu_events is not None:
+            self.gpu_events.close(timeout)
         if not self.is_alive():
             return
         self.join(timeout)
@@ -120,6 +134,7 @@ class HealthAgent(threading.Thread):
             )
 
     def run(self) -> None:
+        self.start_gpu_events()
         while not self.stopping.wait(self.interval) and not self.reported:
             try:
                 health = self.check()
@@ -150,6 +165,33 @@ class HealthAgent(threading.Thread):
             source = select_source(config)
         # Threads, not a forked child: this runs inside the training process.
         return run_health(config, source, node=self.node, isolate=False)
+
+    def start_gpu_events(self) -> None:
+        """Wait on NVML events when the node's GPUs are NVIDIA's and not simulated."""
+        from torchpass_slurm.health.config import SIMULATE_ENV
+        from torchpass_slurm.health.gpu_events import NvmlEventWaiter, nvml_available
+
+        if os.environ.get(SIMULATE_ENV) or not nvml_available():
+            return
+        self.gpu_events = NvmlEventWaiter(self.on_gpu_findings, interval=self.interval)
+        self.gpu_events.start()
+
+    def on_gpu_findings(self, findings: Sequence[Finding]) -> None:
+        """GPU signals: move_now -> CRITICAL, plan_move -> WARNING (the first only); the rest logged."""
+        from torchpass_slurm.health.gpu_signals import Verdict, summary, worst
+
+        for finding in findings:
+            level = logging.INFO if finding.verdict == Verdict.NONE else logging.WARNING
+            logger.log(level, "health agent on %s: %s", self.node, finding)
+        verdict = worst(findings)
+        if verdict not in (Verdict.MOVE_NOW, Verdict.PLAN_MOVE) or self.stopping.is_set():
+            return
+        with self._lock:
+            if self.reported:
+                return
+            self.reported = True
+        status = "CRITICAL" if verdict == Verdict.MOVE_NOW else "WARNING"
+        self._report(node=self.node, status=status, summary=f"gpu: {summary(findings, verdict)}"[:300])
 
     def judge(self, report: HealthReport) -> None:
         from torchpass_slurm.health.checks import Status
