@@ -7,16 +7,17 @@ Steps, each guarded (a step that cannot run says why and the others go on):
 1. ``environment``: torch, CUDA, the GPUs, torch's NCCL version, pynvml.
 2. ``nccl-abort`` and ``nccl-shrink``: two NCCL ranks (on one GPU: NCCL >= 2.30
    with ``NCCL_MULTI_RANK_GPU_ENABLE=1``, from ``pip install -U nvidia-nccl-cu12``;
-   on two GPUs: any NCCL), warmed up with all-reduces; rank 1 is SIGKILLed
-   while rank 0 sits in an all-reduce it never joins. Rank 0 times
-   ``_abort_process_group()`` (abort) in one trial and
-   ``shrink_group([1], SHRINK_ABORT)`` (shrink, NCCL >= 2.27) in the other.
-   After the abort a third process, the spare (CUDA up, waiting), and rank 0
-   build a new communicator (``ProcessGroupNCCL`` over a fresh store prefix):
-   the time to its first all-reduce, whose value is checked. ``--nccl-net``
-   also sets ``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1`` (the network path).
-   torch.distributed is used directly: no NCCL seam of torchpass_slurm.rank was
-   there when this was written.
+   on two GPUs: any NCCL), built by the product's NCCL seam
+   (``torchpass_slurm.rank.backends.NcclBackend``: non-blocking, eagerly
+   connected, with the environment tp run sets, ``config.NCCL_RECOVERY_ENV``) and
+   warmed up; rank 1 is SIGKILLed while rank 0 sits in an all-reduce it never
+   joins. Rank 0 times the seam's ``abort_all`` (torch's group abort) in one
+   trial and its ``rebuild`` to a shrunk world (``shrink_group`` with
+   ``SHRINK_ABORT``, NCCL >= 2.27.3) in the other. After the abort a third
+   process, the spare (CUDA up, waiting), and rank 0 build epoch 1's communicator
+   through the seam (``rebuild``: FRESH, over the store prefix ``epoch1``): the time
+   to its first all-reduce, whose value is checked. ``--nccl-net`` also sets
+   ``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1`` (the network path).
 3. ``transfer``: a GPU shard (400 tensors of mixed sizes and dtypes, ``--shard-mb``)
    moved with the product's ``send_state``/``recv_state`` over a loopback
    ``SocketTransport`` into pre-allocated GPU tensors (transfer/device_stage.py:
@@ -156,25 +157,44 @@ def env_set(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def nccl_rank(
-    mode: str, rank: int, ports: tuple[int, int], gpus: int, events: dict[str, Any], out: Any
-) -> None:
-    """Rank 0 or 1 of the first communicator; rank 1 waits to be killed."""
+def _seam_log() -> Any:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="gpu-check %(process)d: %(message)s")
+    return logging.LoggerAdapter(logging.getLogger("gpu-check"), {})
+
+
+def _info(rank: int, gpus: int, epoch: int) -> Any:
+    from torchpass_slurm.rank.rankinfo import RankInfo
+
+    # local_rank picks the GPU in the seam (cuda:<local rank % devices>): both ranks on GPU 0
+    # when there is one, one each when there are two.
+    return RankInfo(rank, 2, rank % gpus, min(gpus, 2), None, None, epoch=epoch)
+
+
+def _store(port: int, master: bool) -> Any:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, None, master, timedelta(seconds=60))
+
+
+def nccl_rank(mode: str, rank: int, port: int, gpus: int, events: dict[str, Any], out: Any) -> None:
+    """Rank 0 or 1 of the first communicator (the seam's NcclBackend); rank 1 waits to be killed."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
+    from torchpass_slurm.rank.backends import NcclBackend, Rebuild, RebuildRequest
+
+    log, timeout = _seam_log(), timedelta(seconds=90)
     device = torch.device("cuda", rank % gpus)
     torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl",
-        init_method=f"tcp://127.0.0.1:{ports[0]}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=90),
-        device_id=device,
-    )
+    store = _store(port, rank == 0)
+    backend = NcclBackend()
+    backend.create(_info(rank, gpus, 0), timeout, log, store=dist.PrefixStore("epoch0", store))
     t = torch.ones(1 << 20, device=device)
     for _ in range(3):
         dist.all_reduce(t)
@@ -188,51 +208,72 @@ def nccl_rank(
     events["killed"].wait(60)
     began = time.perf_counter()
     if mode == "abort":
-        dist.distributed_c10d._abort_process_group()
+        aborted = backend.abort_all(log)
         out.put(("abort_s", 0, time.perf_counter() - began))
+        out.put(("aborted", 0, float(aborted)))
         began = time.perf_counter()
         torch.cuda.synchronize(device)
         out.put(("drain_s", 0, time.perf_counter() - began))
         events["promote"].set()
-        out.put(("spare_s", 0, new_communicator(0, ports[1], device)))
+        began = time.perf_counter()
+        request = RebuildRequest(epoch=1, old_world=2, new_world=2)  # the spare takes rank 1
+
+        def fresh() -> None:
+            backend.create(_info(0, gpus, 1), timeout, log, store=dist.PrefixStore("epoch1", store))
+
+        how = backend.rebuild(request, fresh, log)
+        checked_all_reduce(0, device)
+        out.put(("spare_s", 0, time.perf_counter() - began))
+        out.put(("fresh", 0, float(how is Rebuild.FRESH)))
     else:
-        group = dist.shrink_group([1], shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
+        request = RebuildRequest(epoch=1, old_world=2, new_world=1, excluded=(1,))
+
+        def no_fresh() -> None:
+            raise RuntimeError("the seam chose a fresh group where a shrink was asked for")
+
+        how = backend.rebuild(request, no_fresh, log)
         out.put(("shrink_s", 0, time.perf_counter() - began))
+        out.put(("shrunk", 0, float(how is Rebuild.SHRINK)))
         x = torch.full((4,), 3.0, device=device)
-        dist.all_reduce(x, group=group)
+        dist.all_reduce(x)  # the shrunk group is the default group now (torch's shrink_group)
         torch.cuda.synchronize(device)
         out.put(("shrunk_allreduce", 0, float(x[0].item())))
     os._exit(0)  # the aborted group's destructor is not waited for
 
 
-def new_communicator(rank: int, port: int, device: Any) -> float:
-    """Join the spare's new communicator (epoch 1); seconds to the first all-reduce, checked."""
+def checked_all_reduce(rank: int, device: Any) -> None:
+    """The first all-reduce of the new communicator: ranks add 1 and 2; raise unless 3."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.full((4,), float(rank + 1), device=device)
+    dist.all_reduce(x)
+    torch.cuda.synchronize(device)
+    if float(x[0].item()) != 3.0:
+        raise RuntimeError(f"the new communicator's all-reduce gave {x[0].item()}, expected 3.0")
+
+
+def nccl_spare(port: int, gpus: int, events: dict[str, Any], out: Any) -> None:
+    """The hot spare: CUDA up, then rank 1 of epoch 1's communicator (the seam) when promoted."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    began = time.perf_counter()
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
-    pg = dist.ProcessGroupNCCL(dist.PrefixStore("epoch1", store), rank, 2)
-    x = torch.full((4,), float(rank + 1), device=device)
-    pg.allreduce([x]).wait()
-    torch.cuda.synchronize(device)
-    if float(x[0].item()) != 3.0:
-        raise RuntimeError(f"the new communicator's all-reduce gave {x[0].item()}, expected 3.0")
-    return time.perf_counter() - began
-
-
-def nccl_spare(port: int, gpus: int, events: dict[str, Any], out: Any) -> None:
-    """The hot spare: CUDA up, then a rank of the new communicator when promoted."""
-    import torch
+    from torchpass_slurm.rank.backends import NcclBackend
 
     device = torch.device("cuda", 1 % gpus)
     torch.cuda.set_device(device)
     torch.ones(1, device=device).sum().item()
+    store = _store(port, False)
     out.put(("spare-ready", 2, 0.0))
     events["promote"].wait(120)
-    out.put(("spare_side_s", 2, new_communicator(1, port, device)))
+    began = time.perf_counter()
+    NcclBackend().create(
+        _info(1, gpus, 1), timedelta(seconds=90), _seam_log(), store=dist.PrefixStore("epoch1", store)
+    )
+    checked_all_reduce(1, device)
+    out.put(("spare_side_s", 2, time.perf_counter() - began))
     os._exit(0)
 
 
@@ -241,16 +282,19 @@ def nccl_trial(mode: str, gpus: int, extra_env: dict[str, str]) -> StepResult:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     events = {"killed": ctx.Event(), "promote": ctx.Event()}
-    ports = (free_port(), free_port())
+    port = free_port()
     got: dict[str, float] = {}
     with env_set(extra_env):
-        procs = [ctx.Process(target=nccl_rank, args=(mode, r, ports, gpus, events, out)) for r in (0, 1)]
+        procs = [ctx.Process(target=nccl_rank, args=(mode, r, port, gpus, events, out)) for r in (0, 1)]
         if mode == "abort":
-            procs.append(ctx.Process(target=nccl_spare, args=(ports[1], gpus, events, out)))
+            procs.append(ctx.Process(target=nccl_spare, args=(port, gpus, events, out)))
         for p in procs:
             p.start()
     deadline = time.monotonic() + TRIAL_TIMEOUT_S
-    want = {"abort": {"abort_s", "drain_s", "spare_s"}, "shrink": {"shrink_s", "shrunk_allreduce"}}[mode]
+    want = {
+        "abort": {"abort_s", "drain_s", "spare_s", "spare_side_s"},
+        "shrink": {"shrink_s", "shrunk", "shrunk_allreduce"},
+    }[mode]
     try:
         while not want <= set(got) and time.monotonic() < deadline:
             try:
@@ -274,8 +318,10 @@ def nccl_trial(mode: str, gpus: int, extra_env: dict[str, str]) -> StepResult:
         return StepResult(
             name, FAILED, f"missing {sorted(want - set(got))} after {TRIAL_TIMEOUT_S:.0f} s", numbers
         )
-    if mode == "shrink" and got["shrunk_allreduce"] != 3.0:
-        return StepResult(name, FAILED, "the shrunk group's all-reduce gave a wrong value", numbers)
+    if mode == "shrink" and (got["shrunk"] != 1.0 or got["shrunk_allreduce"] != 3.0):
+        return StepResult(
+            name, FAILED, "the seam did not shrink, or the shrunk all-reduce was wrong", numbers
+        )
     return StepResult(name, OK, "rank 1 SIGKILLed mid-all-reduce; rank 0 recovered", numbers)
 
 
@@ -446,7 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     nccl = tuple(facts["nccl"]) if facts["nccl"] else None
     if "nccl" in only:
         problem = multi_rank_problem(nccl, gpus)
-        env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+        from torchpass_slurm.config import NCCL_RECOVERY_ENV
+
+        # What tp run sets for every rank (config.NCCL_RECOVERY_ENV), and two ranks per GPU.
+        env = {name: value for name, (value, _) in NCCL_RECOVERY_ENV.items()}
+        env["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
         if args.nccl_net:
             env |= {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
         for mode in ("abort", "shrink"):
