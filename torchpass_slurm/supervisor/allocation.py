@@ -69,8 +69,7 @@ class Allocation:
 
     def release(self, node: str) -> None:
         """A drained node's step has ended: give the node back to Slurm (it becomes DRAINED)."""
-        self.job.releasing.discard(node)
-        self.job.released.add(node)
+        self.job.node_released(node)
         self.shrink_out([node], reason="drained")
 
     def shrink_out(self, nodes: list[str], *, reason: str) -> None:
@@ -94,8 +93,7 @@ class Allocation:
         pool, which excludes the job's nodes, found no node for 70 s)."""
         self._asked.discard(node)
         self._rejoined.add(node)
-        self.job.released.discard(node)
-        self.job.unreleased.discard(node)
+        self.job.node_rejoined(node)
 
     def collect(self) -> None:
         """Log the shrinks that are done (on the loop's thread, which owns the event log)."""
@@ -147,7 +145,7 @@ class Allocation:
                 except SlurmError as err:
                     delay = next(delays, None) if TRY_AGAIN in str(err) else None
                     # in the allocation still: the spare pool may take it back in place
-                    self.job.unreleased.update(n for n in nodes if n not in self._rejoined)
+                    self.job.nodes_unreleased([n for n in nodes if n not in self._rejoined])
                     if delay is None or self._closing.wait(delay):
                         raise
                     logger.info("Slurm cannot release %s yet; again in %.0f s", ",".join(nodes), delay)

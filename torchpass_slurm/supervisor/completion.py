@@ -36,9 +36,7 @@ class Completion:
 
     def agreed(self, epoch: object, committed_step: int) -> None:
         """Rank 0's agreement: the committed step every rank of the epoch now holds."""
-        mig = self.job.migration
-        if mig is not None and epoch == mig.epoch:
-            mig.agreed = committed_step
+        self.job.recovery_agreed(epoch, committed_step)
 
     def first_step(self, report: FirstStep) -> None:
         """Rank 0 committed the new epoch's first step: a live recovery is done."""
@@ -54,8 +52,7 @@ class Completion:
 
     def released(self) -> None:
         """A leaving rank of the planned migration handed over and left: the switch came."""
-        if self.job.migration is not None and self.job.migration.planned:
-            self.job.migration.left = True
+        self.job.leaving_ranks_left()
 
     def unswitched(self) -> tuple[str, ...]:
         """The spares a planned migration promoted while no rank has switched yet (no leaving
@@ -94,7 +91,7 @@ class Completion:
             seconds=round(self.ctx.clock.time() - mig.started, 3),
             **extra,
         )
-        self.job.migration = None
+        self.job.recovery_ended()
 
     def resumed(self, report: Resumed) -> None:
         """Rank 0 resumed from the checkpoint after a restart: the steps since it are lost."""

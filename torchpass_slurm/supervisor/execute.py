@@ -18,7 +18,6 @@ new membership (and epoch).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 from torchpass_slurm.config import NodeRole
@@ -34,7 +33,7 @@ from torchpass_slurm.supervisor.membership import Membership
 from torchpass_slurm.supervisor.orders import Orders
 from torchpass_slurm.supervisor.plan import Action, Plan
 from torchpass_slurm.supervisor.state import Holding, JobState, Migration, RunState
-from torchpass_slurm.supervisor.workers import StepLauncher, WorkerState
+from torchpass_slurm.supervisor.workers import StepLauncher
 
 __all__ = ["Executor"]
 
@@ -81,7 +80,7 @@ class Executor:
 
     # -- the one routine that changes the epoch ----------------------------------
     def change_membership(self, new: Membership) -> None:
-        self.job.membership = new
+        self.job.change_membership(new)
         self.ctx.events.epoch = new.epoch
 
     def add_spare(self, node: str, waited: float, *, returned: bool = False, in_job: bool = False) -> None:
@@ -95,7 +94,7 @@ class Executor:
             if not in_job:
                 self.launcher.expanded.add(node)
             self.allocation.rejoined(node)
-        self.job.steps[node] = self.launcher.launch(node, new)
+        self.job.launched(node, self.launcher.launch(node, new))
         extra = {"in_job": True} if in_job else {}
         self.ctx.events.append(
             ev.SPARE_ADDED, node=node, seconds=waited, spares=list(new.spares), returned=returned, **extra
@@ -110,7 +109,7 @@ class Executor:
         held = self.job.holding
         self._held = held if plan.action != Action.HOLD else None
         if self._held is not None:
-            self.job.holding = None
+            self.job.hold(None)
         for fault in plan.faults:
             if fault.loses_node and (held is None or fault not in held.faults):
                 record_loss(self.job, self.ctx.events, fault)
@@ -165,8 +164,8 @@ class Executor:
                 mode=PromoteMode.LIVE,
                 **({"in_place": True} if spare == node else {}),
             )
-        self.job.migration = chained(
-            self.job.migration, new.epoch, self.ctx.clock.time(), committed, failed, receiving=plan.promoted
+        self.job.recovery_chained(
+            new.epoch, self.ctx.clock.time(), committed, failed, receiving=plan.promoted
         )
         self.orders.reconfigure(survivors)
         for spare, node in zip(plan.promoted, failed, strict=True):
@@ -206,15 +205,17 @@ class Executor:
             mode=PromoteMode.LIVE,
             ranks=list(new.ranks_of(spare)),
         )
-        self.job.migration = Migration(
-            epoch=new.epoch,
-            started=self.ctx.clock.time(),
-            committed=committed,
-            failed=(fault.node,),
-            planned=True,
-            promoted=(spare,),
+        self.job.recovery_began(
+            Migration(
+                epoch=new.epoch,
+                started=self.ctx.clock.time(),
+                committed=committed,
+                failed=(fault.node,),
+                planned=True,
+                promoted=(spare,),
+            )
         )
-        self.job.releasing.add(fault.node)
+        self.job.releasing_node(fault.node)
         self.orders.reconfigure(
             list(old.active), leave=tuple(old.ranks_of(fault.node)), switch_after=switch_after
         )
@@ -236,9 +237,7 @@ class Executor:
             mode=plan.action.recovery,
             **self._chained_from(),
         )
-        self.job.migration = chained(
-            self.job.migration, plan.membership.epoch, self.ctx.clock.time(), None, (), Resolution.REGROUP
-        )
+        self.job.recovery_chained(plan.membership.epoch, self.ctx.clock.time(), None, (), Resolution.REGROUP)
         self.orders.reconfigure(list(plan.membership.active))
         self.job.enter(RunState.RECOVERING)
 
@@ -257,7 +256,7 @@ class Executor:
 
     def _restart_in_place(self, plan: Plan) -> None:
         self.job.enter(RunState.RECOVERING)
-        self.job.in_place_restarts += 1
+        self.job.restarted(in_place=True)
         committed = self.job.committed(list(self.job.membership.active))
         self.change_membership(plan.membership)
         self._migration_started(plan, committed)
@@ -287,26 +286,19 @@ class Executor:
         new = self.job.membership
         self.launcher.stop([self.job.steps[n] for n in relaunch], self.ctx.config.stop_timeout)
         for node in relaunch:
-            self.job.steps[node] = self.launcher.launch(node, new)
+            self.job.launched(node, self.launcher.launch(node, new))
         for spare in plan.promoted:
             self.orders.promote(spare, PromoteMode.RESTART)
-        self.job.restarts += 1
         self.ctx.events.append(
             ev.RESTARTED,
-            restarts=self.job.restarts,
+            restarts=self.job.restarted(),
             active=list(new.active),
             spares=list(new.spares),
             from_checkpoint=True,
             **restarted,
         )
-        self.job.migration = chained(
-            self.job.migration,
-            new.epoch,
-            self.ctx.clock.time(),
-            committed,
-            plan.lost_nodes,
-            Resolution.CHECKPOINT,
-        )
+        now = self.ctx.clock.time()
+        self.job.recovery_chained(new.epoch, now, committed, plan.lost_nodes, Resolution.CHECKPOINT)
         self.job.enter(RunState.LAUNCHING)
 
     def _chained_from(self) -> dict[str, int]:
@@ -322,7 +314,7 @@ class Executor:
             )
             if plan.drained:  # its standby tasks leave, then its node is released
                 self.orders.stop_standby(node, f"node {plan.detail}")
-                self.job.releasing.add(node)
+                self.job.releasing_node(node)
 
     def finish(self, state: RunState, exit_code: int, message: str) -> None:
         """End the job: spares leave, every step stops, the end is logged."""
@@ -330,7 +322,7 @@ class Executor:
             self.orders.stop_standby(node, message)
         self.launcher.stop(self.job.steps.values(), self.ctx.config.stop_timeout)
         self.job.enter(state)
-        self.job.exit_code, self.job.message = exit_code, message
+        self.job.ended_with(exit_code, message)
         self.allocation.close()  # the releases in flight are logged before the end
         kind = ev.FINISHED if state == RunState.SUCCEEDED else ev.FAILED
         self.ctx.events.append(
@@ -344,7 +336,7 @@ def record_loss(job: JobState, events: ev.EventLog, fault: Fault) -> None:
     step = job.steps[fault.node]
     m = job.membership
     role = m.role_of(fault.node) if fault.node in m.active + m.spares else step.role
-    step.state = WorkerState.LOST
+    step.lost()
     events.append(
         _LOSS_EVENT[fault.detector],
         node=fault.node,
@@ -371,9 +363,7 @@ class InPlace:
     def add(self, node: str, committed: int | None) -> None:
         """``node`` takes its rank back; ``committed``: the job's step now (repeated moves at one
         step are counted: a crash that repeats is a bug, and the planner bounds them)."""
-        job = self.job
-        job.in_place_moves = job.in_place_moves + 1 if job.in_place_at == committed else 1
-        job.in_place_at = committed
+        self.job.moved_in_place(committed)
         self._waiting.add(node)
 
     def advance(self) -> None:
@@ -383,7 +373,7 @@ class InPlace:
             self._waiting.discard(node)
             if node not in self.job.membership.active:
                 continue  # lost again meanwhile: planned afresh
-            self.job.steps[node] = self.launcher.launch(node, self.job.membership, role=NodeRole.SPARE)
+            self.job.launched(node, self.launcher.launch(node, self.job.membership, role=NodeRole.SPARE))
             self.orders.promote(node, PromoteMode.LIVE)
 
 
@@ -397,42 +387,3 @@ def supervisor_cpu() -> dict[str, Any]:
         "supervisor_cpu_s": round(own.ru_utime + own.ru_stime, 3),
         "srun_cpu_s": round(children.ru_utime + children.ru_stime, 3),
     }
-
-
-def chained(
-    prev: Migration | None,
-    epoch: int,
-    now: float,
-    committed: int | None,
-    failed: Sequence[str],
-    resolution: Resolution = Resolution.LIVE,
-    *,
-    receiving: Sequence[str] = (),
-) -> Migration:
-    """The :class:`~.state.Migration` of a recovery that starts now. One that starts while
-    another is in flight (a fault during a recovery, a live move that fell back to a restart,
-    a restart before the ranks resumed) continues its chain: the first one's start, its
-    committed high mark (the chain's lost and recomputed steps count from it, once) and every
-    node lost since; it alone will be closed, with the chain's numbers. ``receiving``: the
-    spares promoted live now; with the chain's earlier ones not lost since, they hold no
-    replica until the chain is done."""
-    if prev is None:
-        return Migration(
-            epoch=epoch,
-            started=now,
-            committed=committed,
-            failed=tuple(failed),
-            resolution=resolution,
-            receiving=tuple(receiving),
-            epoch_started=now,
-        )
-    earlier = tuple(n for n in prev.receiving if n not in failed or n in receiving)
-    return Migration(
-        epoch=epoch,
-        started=prev.started,
-        committed=prev.committed if prev.committed is not None else committed,
-        failed=prev.failed + tuple(n for n in failed if n not in prev.failed),
-        resolution=resolution,
-        receiving=earlier + tuple(n for n in receiving if n not in earlier),
-        epoch_started=now,
-    )

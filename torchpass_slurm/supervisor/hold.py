@@ -44,12 +44,14 @@ def begin(
     a loss during the hold joins it, with the same deadline. ``holding`` says so, once a loss."""
     held = job.holding
     new = tuple(f for f in lost if held is None or f not in held.faults)
-    if held is None:
-        job.holding = Holding(lost, clock.time(), clock.monotonic() + spare_wait, spare_wait)
-    else:
-        job.holding = held.widened(lost)
+    holding = (
+        Holding(lost, clock.time(), clock.monotonic() + spare_wait, spare_wait)
+        if held is None
+        else held.widened(lost)
+    )
+    job.hold(holding)
     if new:
-        left = round(job.holding.until - clock.monotonic(), 3)
+        left = round(holding.until - clock.monotonic(), 3)
         events.append(ev.HOLDING, failed=[f.node for f in new], wait_s=left, detail=detail)
         logger.warning("%s", detail)
     job.enter(RunState.RECOVERING)

@@ -168,7 +168,7 @@ class Supervisor:
             ntasks_per_node=m.ntasks_per_node,
         )
         for node in m.active + m.spares:
-            job.steps[node] = self.launcher.launch(node, m)
+            job.launched(node, self.launcher.launch(node, m))
         try:
             while not job.state.ended:
                 self._pump(POLL_SLICE)
@@ -225,10 +225,10 @@ class Supervisor:
             if rc is None:
                 continue
             if node in self.job.releasing:
-                step.state = WorkerState.EXITED
+                step.exited()
                 self.executor.allocation.release(node)
             elif rc == 0 and step.role == NodeRole.ACTIVE:
-                step.state = WorkerState.EXITED
+                step.exited()
                 self.events.append(ev.STEP_EXITED, node=node, exit_code=0)
 
     def _training_completed(self) -> bool:
@@ -242,7 +242,7 @@ class Supervisor:
 
     # -- messages ----------------------------------------------------------------
     def _pump(self, timeout: timedelta) -> None:
-        self.job.heard_until = read_pass(self.server, self.clock, timeout, self._take)
+        self.job.heard(read_pass(self.server, self.clock, timeout, self._take))
         self._after_messages()
 
     def _take(self, peer: bytes, message: Message, now: float) -> None:

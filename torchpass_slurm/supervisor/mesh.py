@@ -42,6 +42,6 @@ def accept_mesh(job: JobState, events: ev.EventLog, node: str, report: Report) -
         logger.warning("refused the mesh %s of rank %s on %s: %s", mesh.to_json(), report.rank, node, why)
         return False
     if job.layout is None:
-        job.layout = mesh
+        job.mesh_reported(mesh)
         events.append(ev.MESH_LAYOUT, node=node, **mesh.to_json())
     return True

@@ -1,14 +1,20 @@
 """The supervisor's state: what the loop, the detectors and the executor share.
 
 :class:`JobState` is the one mutable record of a running job (membership,
-steps, run state, the recovery in flight); the loop (:mod:`.loop`) owns it,
-the executor (:mod:`.execute`) changes it, the detectors (:mod:`.detect`)
-read it. Its run state changes only through :meth:`JobState.enter`, along
-:data:`RUN_STATE_MACHINE`.
+steps, run state, the recovery in flight, the nodes leaving the job). Every
+part of the supervisor reads it; only its own methods write it, each named
+after the event that changes it (a recovery began, the ranks agreed, a node
+was released...), and a test holds that no other module assigns one of its
+fields or a field of its :class:`Migration`. Its run state changes only
+through :meth:`JobState.enter`, along :data:`RUN_STATE_MACHINE`. The parts
+that decide (the planner, the detectors) and carry out (the executor, the
+orders, the allocation, the completion) call these methods; a step's own
+state (:class:`~.workers.WorkerStep`) is written in :mod:`.workers` only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from torchpass_slurm.faults import Fault, Resolution
@@ -111,6 +117,45 @@ class Holding:
         return Holding(self.faults + more, self.since, self.until, self.wait_s)
 
 
+def _chained(
+    prev: Migration | None,
+    epoch: int,
+    now: float,
+    committed: int | None,
+    failed: Sequence[str],
+    resolution: Resolution = Resolution.LIVE,
+    *,
+    receiving: Sequence[str] = (),
+) -> Migration:
+    """The :class:`~.state.Migration` of a recovery that starts now. One that starts while
+    another is in flight (a fault during a recovery, a live move that fell back to a restart,
+    a restart before the ranks resumed) continues its chain: the first one's start, its
+    committed high mark (the chain's lost and recomputed steps count from it, once) and every
+    node lost since; it alone will be closed, with the chain's numbers. ``receiving``: the
+    spares promoted live now; with the chain's earlier ones not lost since, they hold no
+    replica until the chain is done."""
+    if prev is None:
+        return Migration(
+            epoch=epoch,
+            started=now,
+            committed=committed,
+            failed=tuple(failed),
+            resolution=resolution,
+            receiving=tuple(receiving),
+            epoch_started=now,
+        )
+    earlier = tuple(n for n in prev.receiving if n not in failed or n in receiving)
+    return Migration(
+        epoch=epoch,
+        started=prev.started,
+        committed=prev.committed if prev.committed is not None else committed,
+        failed=prev.failed + tuple(n for n in failed if n not in prev.failed),
+        resolution=resolution,
+        receiving=earlier + tuple(n for n in receiving if n not in earlier),
+        epoch_started=now,
+    )
+
+
 @dataclass
 class JobState:
     """One job's membership, steps and progress, as the supervisor knows them."""
@@ -155,6 +200,94 @@ class JobState:
             raise RuntimeError(f"job {self.job_id}: no transition from {self.state} to {state}")
         self.state = state
 
+    # -- the writers: one per event that changes the job's record ------------------------
+    def change_membership(self, new: Membership) -> None:
+        """A new epoch's membership (a recovery, a spare added or lost)."""
+        self.membership = new
+
+    def launched(self, node: str, step: WorkerStep) -> None:
+        """``node``'s step of this epoch started (it replaces the node's previous one)."""
+        self.steps[node] = step
+
+    def recovery_began(self, migration: Migration) -> None:
+        """A planned migration is in flight."""
+        self.migration = migration
+
+    def recovery_chained(
+        self,
+        epoch: int,
+        now: float,
+        committed: int | None,
+        failed: Sequence[str],
+        resolution: Resolution = Resolution.LIVE,
+        *,
+        receiving: Sequence[str] = (),
+    ) -> None:
+        """A recovery from lost nodes starts now; one in flight is continued (:func:`_chained`)."""
+        self.migration = _chained(
+            self.migration, epoch, now, committed, failed, resolution, receiving=receiving
+        )
+
+    def recovery_agreed(self, epoch: object, committed_step: int) -> None:
+        """Rank 0's agreement of ``epoch``: the committed step every rank of it now holds."""
+        if self.migration is not None and epoch == self.migration.epoch:
+            self.migration.agreed = committed_step
+
+    def leaving_ranks_left(self) -> None:
+        """A planned migration's leaving ranks handed over and left: the switch came."""
+        if self.migration is not None and self.migration.planned:
+            self.migration.left = True
+
+    def recovery_ended(self) -> None:
+        self.migration = None
+
+    def hold(self, holding: Holding | None) -> None:
+        """The losses the job holds its step for (None: the hold ended)."""
+        self.holding = holding
+
+    def restarted(self, *, in_place: bool = False) -> int:
+        """One more restart from a checkpoint (``in_place``: on the same nodes); the count."""
+        if in_place:
+            self.in_place_restarts += 1
+            return self.in_place_restarts
+        self.restarts += 1
+        return self.restarts
+
+    def moved_in_place(self, committed: int | None) -> None:
+        """A live move in place at committed step ``committed`` (repeats at one step count up)."""
+        self.in_place_moves = self.in_place_moves + 1 if self.in_place_at == committed else 1
+        self.in_place_at = committed
+
+    def releasing_node(self, node: str) -> None:
+        """``node`` was drained: its ranks hand over, then it leaves the job."""
+        self.releasing.add(node)
+
+    def node_released(self, node: str) -> None:
+        """``node``'s step ended: it goes back to Slurm."""
+        self.releasing.discard(node)
+        self.released.add(node)
+
+    def nodes_unreleased(self, nodes: list[str]) -> None:
+        """Slurm would not release ``nodes``: they are in the job's allocation still."""
+        self.unreleased.update(nodes)
+
+    def node_rejoined(self, node: str) -> None:
+        """``node`` is the job's again (a refill merged it back)."""
+        self.released.discard(node)
+        self.unreleased.discard(node)
+
+    def mesh_reported(self, mesh: MeshLayout) -> None:
+        """The device mesh the ranks train on (the first one reported is the job's)."""
+        self.layout = mesh
+
+    def heard(self, until: float | None) -> None:
+        """The control plane has been read up to ``until`` (unix time)."""
+        self.heard_until = until
+
+    def ended_with(self, exit_code: int, message: str) -> None:
+        self.exit_code, self.message = exit_code, message
+
+    # -- reading ------------------------------------------------------------------------
     def silence_clock(self, now: float) -> float:
         """The time silence is measured to: ``now``, or the end of the last read pass if earlier."""
         return now if self.heard_until is None else min(now, self.heard_until)

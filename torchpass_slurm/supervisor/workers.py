@@ -139,6 +139,14 @@ class WorkerStep:
         self.state = WorkerState.STANDBY
         return True
 
+    def lost(self) -> None:
+        """A fault took the step (its node, or a rank of it): it is watched no more."""
+        self.state = WorkerState.LOST
+
+    def exited(self) -> None:
+        """The step ended well (its training finished, or a drained node's ranks left)."""
+        self.state = WorkerState.EXITED
+
     def all_up(self, now: float) -> None:
         """Every task said hello: silence counts from now. With per-node heartbeats a task that
         was up first beats through local rank 0, which cannot relay before it is up itself: on
