@@ -34,11 +34,11 @@ gloo: exactly the behaviour of ``rank/group.py`` (the recorded mesh sockets shut
                 TORCH_NCCL_USE_COMM_NONBLOCKING=1 from tp run for a mesh's sub-groups), eagerly
                 connected (device_id=cuda:<local rank>): the communicator exists before the first
                 collective, so an abort never meets one half built
-    abort_all   torch's group abort (``distributed_c10d._abort_process_group()``): every group of
-                the rank, a DeviceMesh's too, in one ncclGroupStart/End, then forgotten; if it
-                raises, each group's own ``abort()``, one by one. Neither waits for a collective
-    tear_down   the same abort, before anything drops a group (no destroy_process_group on a
-                broken communicator: NCCL's destroy may wait on it)
+    abort_all   every group of the rank, a DeviceMesh's too, in one ncclGroupStart/End; if that
+                raises, each group's own ``abort()``. Never waits for a collective; torch's list
+                of groups is left alone (the training thread's next collective must fail)
+    tear_down   the same abort, then torch's ``_abort_process_group()`` forgets the groups, so
+                no destroy_process_group meets a broken communicator (NCCL's may wait on it)
     rebuild     see the table; after an abort, always a fresh communicator through the epoch store
 
 The rebuild decision (:func:`choose_rebuild`; ``tests/unit/nccl`` is its table test)::
@@ -65,12 +65,10 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from torchpass_slurm.config import NCCL_RECOVERY_ENV
-from torchpass_slurm.errors import ConfigError
 from torchpass_slurm.rank.group import (
     abort_group_before,
     adopt_group,
@@ -79,6 +77,13 @@ from torchpass_slurm.rank.group import (
     live_group,
     socket_inodes,
     tearing_down,
+)
+from torchpass_slurm.rank.nccl_support import (
+    SHRINK_MIN_NCCL,
+    NcclCapabilities,
+    nccl_capabilities,
+    nccl_options,
+    recovery_env_problems,
 )
 from torchpass_slurm.rank.rankinfo import RankInfo
 from torchpass_slurm.strenum import StrEnum
@@ -104,8 +109,6 @@ __all__ = [
 Log = logging.LoggerAdapter[logging.Logger]
 #: The backend name that asks for the rule of the module doc.
 AUTO = "auto"
-#: The first NCCL with ncclCommShrink (what torch's ``shrink_group`` calls).
-SHRINK_MIN_NCCL = (2, 27, 3)
 #: Larger than any epoch: :meth:`GroupBackend.abort_all` aborts whatever group is live.
 _ANY_EPOCH = sys.maxsize
 
@@ -144,67 +147,11 @@ class RebuildRequest:
         return rank - sum(1 for r in set(self.excluded) if r < rank)
 
 
-@dataclass(frozen=True)
-class NcclCapabilities:
-    """What the torch in use offers for NCCL's recovery (:func:`nccl_capabilities`)."""
-
-    nccl_version: tuple[int, ...] | None
-    group_abort: bool  # distributed_c10d._abort_process_group
-    shrink: bool  # torch's shrink_group and an NCCL that has ncclCommShrink
-
-
 def choose_rebuild(request: RebuildRequest, caps: NcclCapabilities, live: bool) -> Rebuild:
     """The rebuild of the module doc's table (pure). ``live``: the old group is still up (not aborted)."""
     if caps.shrink and live and request.shrinks:
         return Rebuild.SHRINK
     return Rebuild.FRESH
-
-
-def nccl_capabilities() -> NcclCapabilities:
-    """What this torch offers: its NCCL's version (None without NCCL), torch's group abort, shrink."""
-    import torch
-    from torch.distributed import distributed_c10d
-
-    version: tuple[int, ...] | None = None
-    try:
-        raw = torch.cuda.nccl.version()
-        version = tuple(raw) if isinstance(raw, tuple) else (int(raw),)
-    except (AttributeError, RuntimeError, TypeError):  # a CPU build: torch._C has no _nccl_version
-        version = None
-    shrink = callable(getattr(distributed_c10d, "shrink_group", None))
-    return NcclCapabilities(
-        nccl_version=version,
-        group_abort=callable(getattr(distributed_c10d, "_abort_process_group", None)),
-        shrink=shrink and version is not None and version >= SHRINK_MIN_NCCL,
-    )
-
-
-def nccl_options() -> Any:
-    """``ProcessGroupNCCL.Options`` for a non-blocking communicator (``config.blocking = 0``):
-    NCCL's calls return at once, so an abort reaches the communicator at any point."""
-    import torch.distributed as dist
-
-    pg_nccl = getattr(dist, "ProcessGroupNCCL", None)
-    if pg_nccl is None or not dist.is_nccl_available():
-        raise ConfigError(
-            "this torch has no NCCL (a CPU build?): a NCCL process group cannot be made",
-            hint="install a CUDA build of torch, or train with backend='gloo'",
-        )
-    options = pg_nccl.Options()
-    options.config.blocking = 0
-    return options
-
-
-def recovery_env_problems(environ: Mapping[str, str]) -> list[str]:
-    """``NAME=value (want V)`` for each setting of :data:`~torchpass_slurm.config.NCCL_RECOVERY_ENV`
-    that ``environ`` gives another value: one that lets a watchdog end a survivor, or a
-    communicator that cannot be aborted. Unset is no problem here (torch's default is then used:
-    tp run sets them all)."""
-    return [
-        f"{name}={environ[name]} (want {value})"
-        for name, (value, _) in NCCL_RECOVERY_ENV.items()
-        if name in environ and environ[name] != value
-    ]
 
 
 def choose_backend(requested: str | None, device: Any = None) -> str:
@@ -250,7 +197,7 @@ class GroupBackend(Protocol):
 
 
 class _Common:
-    """What both backends do the same way: abort through the live record, tear down, destroy."""
+    """What both backends do alike: abort through the live record, tear down, destroy."""
 
     name: str
 
@@ -312,8 +259,16 @@ class NcclBackend(_Common):
     Every torch call it makes is injectable, so that the unit tests run this class's own
     orchestration under torch's ``fake`` backend (``tests/unit/nccl``): ``name`` the backend
     init_process_group is given, ``options`` the pg_options (None: none), ``device`` the
-    device_id for a rank (None: no eager connect), ``abort_every`` torch's group abort,
-    ``shrink`` torch's shrink_group, ``capabilities`` what torch offers.
+    device_id for a rank (None: no eager connect), ``abort_every`` the group abort of the
+    listed groups' communicators, ``forget_every`` torch's ``_abort_process_group()`` (abort and
+    forget), ``shrink`` torch's shrink_group, ``capabilities`` what torch offers.
+
+    Two aborts, for two threads. The heartbeat thread's (the supervisor's word) aborts the
+    communicators and leaves torch's list of groups alone: the training thread may be between
+    two collectives, and its next one must fail as a comm error (``is_comm_error``), not find
+    the default group gone (a ValueError: the rank would end). The training thread's own
+    (:meth:`tear_down`, :meth:`rebuild`) then has torch abort them again, a no-op on an aborted
+    communicator, and forget them, so that nothing destroys a broken communicator.
     """
 
     def __init__(
@@ -322,14 +277,16 @@ class NcclBackend(_Common):
         *,
         options: Callable[[], Any] | None = nccl_options,
         device: Callable[[RankInfo], Any] | None = None,
-        abort_every: Callable[[], None] | None = None,
+        abort_every: Callable[[list[Any]], None] | None = None,
+        forget_every: Callable[[], None] | None = None,
         shrink: Callable[[list[int]], Any] | None = None,
         capabilities: Callable[[], NcclCapabilities] = nccl_capabilities,
     ) -> None:
         self.name = name
         self._options = options
         self._device = _local_cuda_device if device is None else device
-        self._abort_every = abort_every or _torch_group_abort
+        self._abort_every = abort_every or _group_abort
+        self._forget_every = forget_every or _torch_abort_and_forget
         self._shrink = shrink or _torch_shrink
         self._capabilities = capabilities
 
@@ -354,15 +311,16 @@ class NcclBackend(_Common):
         return 0
 
     def abort_groups(self, log: Log) -> int:
-        """Abort every group torch lists for this rank, at once; how many. torch's group abort
-        first; if it raises, each group's ``abort()`` (one that raises too is left to NCCL's
-        timeout). Never waits for a collective: a non-blocking communicator aborts at once."""
+        """Abort the communicators of every group torch lists for this rank, at once, from any
+        thread; how many. One group abort first; if it raises, each group's ``abort()`` (one that
+        raises too is left to NCCL's timeout). Never waits for a collective: a non-blocking
+        communicator aborts at once. torch's list of groups is left as it is (class doc)."""
         groups = _torch_groups()
         if not groups:
             return 0
         started = time.monotonic()
         try:
-            self._abort_every()
+            self._abort_every(groups)
             aborted = len(groups)
         except Exception as exc:  # whatever torch raises, this rank must still get out
             log.warning("the group abort of %d process groups failed (%r): aborting each", len(groups), exc)
@@ -372,9 +330,31 @@ class NcclBackend(_Common):
         )
         return aborted
 
+    def forget(self, log: Log) -> bool:
+        """On the training thread: torch's ``_abort_process_group()`` aborts every group (again,
+        after the heartbeat thread's abort) and forgets them; True when it did. If it raises,
+        the groups stay listed and ``destroy_group`` destroys them."""
+        if not _torch_groups():
+            return False
+        try:
+            self._forget_every()
+        except Exception as exc:  # whatever torch raises, the teardown goes on
+            log.warning("torch's abort of every process group failed: %r", exc)
+            return False
+        return True
+
+    @contextlib.contextmanager
+    def tear_down(self, exc: BaseException, log: Log, keep_for: float = 0.0) -> Iterator[None]:
+        """After ``exc``: every communicator aborted (unless the supervisor's word did it) and
+        the groups forgotten before the caller drops its references; then nothing is left for
+        ``destroy_process_group``."""
+        with tearing_down(exc, log, keep_for=keep_for):
+            self.forget(log)
+            yield
+
     def rebuild(self, request: RebuildRequest, fresh: Callable[[], None], log: Log) -> Rebuild:
         """Shrink the live group when the table says so (a failed shrink: abort, then fresh),
-        else destroy it and build ``fresh()``."""
+        else destroy it (forget it, when it was aborted) and build ``fresh()``."""
         live = live_group()
         choice = choose_rebuild(request, self._capabilities(), live is not None and not live[1])
         if choice is Rebuild.SHRINK:
@@ -386,6 +366,7 @@ class NcclBackend(_Common):
                     "shrinking to epoch %d failed (%r): aborting, then a fresh group", request.epoch, exc
                 )
                 self.abort_all(log)
+                self.forget(log)
             else:
                 adopt_group(request.epoch, (), abort_all=self.abort_groups)
                 log.info(
@@ -395,6 +376,8 @@ class NcclBackend(_Common):
                     time.monotonic() - started,
                 )
                 return Rebuild.SHRINK
+        if live is not None and live[1]:  # aborted: never destroy a broken communicator
+            self.forget(log)
         return super().rebuild(request, fresh, log)
 
 
@@ -421,7 +404,32 @@ def _torch_groups() -> list[Any]:
     return list(getattr(world, "pg_map", None) or ())
 
 
-def _torch_group_abort() -> None:
+def _group_abort(groups: list[Any]) -> None:
+    """Every group's ``abort()`` inside one ncclGroupStart/End where the default group is
+    NCCL's (as torch's ``_abort_process_group`` does: aborts of communicators that share a stream,
+    one after the other, can hang each other, pytorch#119797), the mesh's groups before the
+    default one; torch's list of groups is left alone."""
+    import torch
+    from torch.distributed import distributed_c10d
+
+    world = distributed_c10d.GroupMember.WORLD
+    backend: Any
+    try:
+        backend = world._get_backend(torch.device("cuda")) if world is not None else None
+    except RuntimeError:  # no CUDA backend in the default group
+        backend = None
+    grouped = distributed_c10d.is_nccl_available() and isinstance(backend, distributed_c10d.ProcessGroupNCCL)
+    if grouped:
+        backend._group_start()
+    try:
+        for pg in reversed(groups):
+            pg.abort()
+    finally:
+        if grouped:
+            backend._group_end()
+
+
+def _torch_abort_and_forget() -> None:
     from torch.distributed import distributed_c10d
 
     distributed_c10d._abort_process_group()
@@ -433,7 +441,7 @@ def _torch_shrink(excluded: list[int]) -> Any:
     return distributed_c10d.shrink_group(excluded, shrink_flags=distributed_c10d.SHRINK_ABORT)
 
 
-def _abort_one(group: Any, log: Log) -> int:
+def _abort_one(group: Any, log: Log) -> int:  # 1 when aborted
     try:
         group.abort()
     except Exception as exc:  # one group's failure must not keep the others alive

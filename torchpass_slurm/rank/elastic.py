@@ -57,8 +57,8 @@ from torchpass_slurm.control.bodies import PromoteMode, Reconfigure
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.errors import CollectiveError, TransferError
 from torchpass_slurm.phase import Phase
-from torchpass_slurm.rank.backends import AUTO, choose_backend, training_device
-from torchpass_slurm.rank.group import destroy_group, release_kept, stacks_if_slow, tearing_down
+from torchpass_slurm.rank.backends import AUTO, choose_backend, group_backend, training_device
+from torchpass_slurm.rank.group import destroy_group, release_kept, stacks_if_slow
 from torchpass_slurm.rank.handover import Handover
 from torchpass_slurm.rank.rankstate import RankState
 from torchpass_slurm.rank.reconfigures import PendingReconfigures, leave_if_fenced
@@ -397,9 +397,9 @@ class ElasticTrainer:
                 self._tear_down(again)
 
     def _tear_down(self, exc: Exception) -> None:
-        """Report the failed collective, then close the broken group's sockets, so no peer waits
-        on this rank until its timeout, and drop the group (``rank/group.py``,
-        :func:`tearing_down`). The report goes first: the supervisor hears at once that this rank
+        """Report the failed collective, then abort the broken groups (gloo: their sockets), so no
+        peer waits on this rank until its timeout, and drop them (``rank/backends.py``, ``tear_down``).
+        The report goes first: the supervisor hears at once that this rank
         is alive and recovering, however long the teardown takes. The group is never reused:
         :meth:`Runtime.rejoin` builds the next epoch's."""
         with stacks_if_slow(TEARDOWN_STACKS_S, self.rt.log):
@@ -407,7 +407,7 @@ class ElasticTrainer:
                 ReportKind.COLLECTIVE_FAILED, step=self.step, error=str(exc)[:200], epoch=self.rt.epoch
             )
             keep_for = collective_timeout().total_seconds() + KEEP_BROKEN_MARGIN_S
-            with tearing_down(exc, self.rt.log, keep_for=keep_for):
+            with group_backend(self.backend).tear_down(exc, self.rt.log, keep_for=keep_for):
                 self._wrapped = None  # the DDP wrapper holds the group
 
     def _reconfigure(self, body: Reconfigure) -> None:

@@ -34,18 +34,21 @@ AT_ONCE_S = 2.0
 
 
 class Spy:
-    """Counts the calls of ``real`` (torch's group abort by default) and passes them on."""
+    """Counts the calls of the seam's group abort and the groups each got, and passes them on."""
 
-    def __init__(self, real: Callable[[], None] = distributed_c10d._abort_process_group) -> None:
-        self.real = real
+    def __init__(self, then: Callable[[], None] = lambda: None) -> None:
+        self.then = then
         self.calls = 0
+        self.groups: list[int] = []
 
-    def __call__(self) -> None:
+    def __call__(self, groups: list[Any]) -> None:
         self.calls += 1
-        self.real()
+        self.groups.append(len(groups))
+        backends._group_abort(groups)
+        self.then()
 
 
-def fake_nccl(abort_every: Callable[[], None] | None = None, **kwargs: Any) -> NcclBackend:
+def fake_nccl(abort_every: Callable[[list[Any]], None] | None = None, **kwargs: Any) -> NcclBackend:
     """The NCCL backend's own code on torch's fake backend: no pg_options, no device to bind."""
     return NcclBackend("fake", options=None, device=lambda info: None, abort_every=abort_every, **kwargs)
 
@@ -122,8 +125,11 @@ def test_the_supervisors_word_aborts_every_group_of_the_rank_in_one_group_abort(
     body = group.superseding(Reconfigure(epoch=2, world_size=4, store_addr="h", store_port=1), LOG)
 
     assert body.epoch == 2
-    assert spy.calls == 1  # one call for the three groups
-    assert not dist.is_initialized() and not distributed_c10d._world.pg_map  # torch forgot them all
+    assert (spy.calls, spy.groups) == (1, [3])  # one call for the three groups
+    # torch still lists them: the training thread's next collective fails as a comm error, it
+    # does not find the default group gone (a ValueError that would end the rank)
+    assert dist.is_initialized() and len(distributed_c10d._world.pg_map) == 3
+    assert dist.get_world_size() == 4
     assert group.live_group() == (1, True)
     assert not seam.abort_all(LOG)  # never twice
     assert spy.calls == 1
@@ -140,7 +146,7 @@ def test_the_abort_from_the_heartbeat_thread_does_not_wait_for_the_stuck_collect
     """The training thread sits in a collective that only an abort ends (a frozen peer): the
     heartbeat thread's abort returns at once, and the collective ends with it, not at its timeout."""
     aborted = threading.Event()
-    seam = fake_nccl(Spy(lambda: (distributed_c10d._abort_process_group(), aborted.set())[0]))
+    seam = fake_nccl(Spy(aborted.set))
     build(seam)
     left: list[float] = []
 
@@ -170,10 +176,11 @@ def test_the_abort_never_waits_for_a_training_thread_that_is_destroying_the_grou
     assert spy.calls == 0
 
 
-def test_a_failing_group_abort_falls_back_to_each_groups_own_abort(caplog: pytest.LogCaptureFixture) -> None:
-    def broken() -> None:
-        raise RuntimeError("NCCL error: unhandled system error")
+def broken(groups: list[Any]) -> None:
+    raise RuntimeError("NCCL error: unhandled system error")
 
+
+def test_a_failing_group_abort_falls_back_to_each_groups_own_abort(caplog: pytest.LogCaptureFixture) -> None:
     seam = fake_nccl(broken)
     groups = build(seam)
     with caplog.at_level(logging.INFO):
@@ -199,9 +206,6 @@ def test_a_group_whose_own_abort_fails_does_not_keep_the_others_alive(
     listed = [Group(fails=False), Group(fails=True), Group(fails=False)]
     monkeypatch.setattr(backends, "_torch_groups", lambda: listed)
 
-    def broken() -> None:
-        raise RuntimeError("group abort failed")
-
     assert fake_nccl(broken).abort_groups(LOG) == 2
     assert [g.aborted for g in listed] == [True, False, True]
 
@@ -209,10 +213,20 @@ def test_a_group_whose_own_abort_fails_does_not_keep_the_others_alive(
 # --- teardown after an observed error ------------------------------------------------------------
 
 
-def test_an_observed_error_aborts_every_group_before_the_references_go() -> None:
+def no_destroy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records each destroy_process_group: none may meet an aborted (broken) communicator."""
+    destroyed: list[str] = []
+    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: destroyed.append("destroyed"))
+    return destroyed
+
+
+def test_an_observed_error_aborts_every_group_before_the_references_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     spy = Spy()
     seam = fake_nccl(spy)
     build(seam)
+    destroyed = no_destroy(monkeypatch)
     order: list[str] = []
     try:
         raise RuntimeError("NCCL communicator was aborted on rank 1")
@@ -222,6 +236,20 @@ def test_an_observed_error_aborts_every_group_before_the_references_go() -> None
     assert order == ["body after 1 abort"]
     assert group.live_group() is None and not dist.is_initialized()
     assert group._kept == []  # torch forgot the aborted groups: nothing is kept to destroy later
+    assert destroyed == []
+
+
+def test_a_teardown_whose_forgetting_fails_still_ends_with_no_group(caplog: pytest.LogCaptureFixture) -> None:
+    def refuses() -> None:
+        raise RuntimeError("Invalid process group specified or has been destroyed.")
+
+    spy = Spy()
+    seam = fake_nccl(spy, forget_every=refuses)
+    build(seam)
+    with caplog.at_level(logging.WARNING), seam.tear_down(RuntimeError("NCCL error"), LOG):
+        pass
+    assert "abort of every process group failed" in caplog.text
+    assert spy.calls == 1 and not dist.is_initialized()  # destroy_group destroyed them
 
 
 def test_a_teardown_after_the_supervisors_abort_aborts_nothing_twice() -> None:
@@ -231,7 +259,7 @@ def test_a_teardown_after_the_supervisors_abort_aborts_nothing_twice() -> None:
     assert group.abort_group_before(2, LOG)
     with seam.tear_down(RuntimeError("NCCL error"), LOG):
         pass
-    assert spy.calls == 1 and group.live_group() is None
+    assert spy.calls == 1 and group.live_group() is None and not dist.is_initialized()
 
 
 # --- rebuild: shrink or fresh --------------------------------------------------------------------
@@ -324,6 +352,7 @@ def test_rejoin_aborts_and_builds_each_epochs_group_in_the_epoch_store_and_survi
     assert group.live_group() == (0, False)
 
     assert group.abort_group_before(1, LOG)  # the supervisor's word: epoch 1
+    destroyed = no_destroy(monkeypatch)
     real_create = seam.create
     faults = iter([RuntimeError("NCCL error: remote process exited")])
 
@@ -336,7 +365,9 @@ def test_rejoin_aborts_and_builds_each_epochs_group_in_the_epoch_store_and_survi
     monkeypatch.setattr(seam, "create", create_once_failing)
     with pytest.raises(RuntimeError, match="remote process exited"):
         rt.rejoin(reconfigure(1, store), seam, TIMEOUT, TIMEOUT)
-    assert group.live_group() is None  # nothing of epoch 0 is left to abort or destroy
+    assert group.live_group() is None and not dist.is_initialized()  # epoch 0's forgotten, not destroyed
+    assert destroyed == []
+    monkeypatch.undo()
 
     rt.rejoin(reconfigure(2, store), seam, TIMEOUT, TIMEOUT)  # the next epoch builds
     assert rt.epoch == 2 and group.live_group() == (2, False)
