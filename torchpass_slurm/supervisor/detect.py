@@ -110,6 +110,14 @@ class Detectors:
         if self._reported is None and self._settle is None:
             self._reported = Fault(node, Detector.COLLECTIVE_FAILED, detail)
 
+    def health_warning(self, node: str, status: str, summary: str) -> Fault | None:
+        """``node``'s health agent warns (pre-emptive: the node still works): the fault that
+        drains it, logged as ``health_warning``; None for a node that is not active."""
+        if node not in self.job.membership.active:
+            return None
+        self.ctx.events.append(ev.HEALTH_WARNING, node=node, status=status, summary=summary)
+        return Fault(node, Detector.HEALTH_WARNING, f"{status}: {summary}")
+
     def _peers_named(self, error: str) -> list[str]:
         if self.ctx.probe is None:
             return []

@@ -44,7 +44,7 @@ from torchpass_slurm.control.reports import (
 )
 from torchpass_slurm.control.server import ControlServer
 from torchpass_slurm.errors import ControlPlaneError
-from torchpass_slurm.faults import Detector, Fault, RecoveryPolicy
+from torchpass_slurm.faults import Fault, RecoveryPolicy
 from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.rundir.status import write_status
 from torchpass_slurm.slurm import SlurmBackend
@@ -327,15 +327,10 @@ class Supervisor:
                 self.completion.released()
         elif isinstance(data, Resumed):
             self.completion.resumed(data)
-        elif isinstance(data, HealthWarning):
-            self._health_warning(node, data)
-
-    def _health_warning(self, node: str, warning: HealthWarning) -> None:
-        """Pre-emptive migration: the planner drains the node while it still works."""
-        if node not in self.job.membership.active:
-            return
-        self.events.append(ev.HEALTH_WARNING, node=node, status=warning.status, summary=warning.summary)
-        self._recover([Fault(node, Detector.HEALTH_WARNING, f"{warning.status}: {warning.summary}")])
+        elif isinstance(data, HealthWarning) and (
+            (fault := self.detectors.health_warning(node, data.status, data.summary)) is not None
+        ):  # pre-emptive: the planner drains the node
+            self._recover([fault])
 
     # -- status --------------------------------------------------------------------
     def _write_status(self, force: bool = False) -> None:
