@@ -73,8 +73,9 @@ class DeviceOps:
         dst.copy_(src)
 
     def transfer(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy between the host and a device, without blocking the host (pinned memory)."""
-        dst.copy_(src, non_blocking=True)
+        """Copy between the host and a device: on CUDA without blocking the host (pinned
+        memory; :meth:`wait` waits for it), on any other device a blocking copy."""
+        dst.copy_(src, non_blocking=dst.is_cuda or src.is_cuda)
 
     def wait(self, device: Any) -> None:
         """Block until every copy queued on ``device``'s current stream finished (an event)."""

@@ -189,6 +189,9 @@ def test_torchs_ops_see_cpu_tensors_as_host_memory() -> None:
     ops.wait(torch.device("cpu"))  # nothing to wait for on the host
     buf = ops.host_buffer(16, pinned=False)
     assert buf.dtype == torch.uint8 and buf.numel() == 16 and not buf.is_pinned()
+    src = torch.arange(16, dtype=torch.uint8)
+    ops.transfer(buf, src)  # a blocking copy off CUDA: done when it returns
+    assert torch.equal(buf, src)
 
 
 # --- the stream: same bytes on the wire, a corrupted chunk still caught --------------------------
