@@ -12,6 +12,9 @@ A :class:`Fault` is what a detector saw (``detector``) on one node. Its
     node_gone           unplanned     Slurm no longer lists the node in the job
     collective_failed   unplanned     a rank's collective failed (the culprit is found by settling)
     recovery_stalled    unplanned     a recovery did not reach its first step within recovery_timeout
+    gpu_failed          unplanned     the node's health agent saw a GPU signal that takes the node now
+                                      (``health/gpu_signals.py``: move now, e.g. XID 79, NVML's
+                                      recovery action "reset GPU")
     health_warning      pre-emptive   the node's in-job health agent saw WARNING / CRITICAL
     drain               planned       an admin drained the node (``scontrol``, ``tp drain``)
 
@@ -57,6 +60,7 @@ class Detector(StrEnum):
     NODE_GONE = "node_gone"
     COLLECTIVE_FAILED = "collective_failed"
     RECOVERY_STALLED = "recovery_stalled"
+    GPU_FAILED = "gpu_failed"
     HEALTH_WARNING = "health_warning"
     DRAIN = "drain"
 
@@ -78,10 +82,13 @@ NODE_LOSS = frozenset(
         Detector.STARTUP_TIMEOUT,
         Detector.NODE_DOWN,
         Detector.NODE_GONE,
+        Detector.GPU_FAILED,
     }
 )
 #: Detectors after which the node itself is not to be trusted: it is taken out of the job.
-NODE_UNTRUSTED = frozenset({Detector.HEARTBEAT_LOST, Detector.RANK_HUNG, Detector.NODE_DOWN})
+NODE_UNTRUSTED = frozenset(
+    {Detector.HEARTBEAT_LOST, Detector.RANK_HUNG, Detector.NODE_DOWN, Detector.GPU_FAILED}
+)
 
 
 class Evidence(StrEnum):
@@ -108,6 +115,8 @@ class Evidence(StrEnum):
     PROGRESS = "progress"
     #: Slurm said so (node state, job node list)
     SLURM = "slurm"
+    #: the node's own health agent saw a GPU fault that takes the node (a move-now signal)
+    HEALTH = "health"
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ __all__ = [
 ]
 
 #: Detection kinds (``step_exited`` only with a non-zero exit code).
-DETECTION_KINDS = frozenset({ev.HEARTBEAT_LOST, ev.RANK_HUNG, ev.NODE_DOWN, ev.STEP_EXITED})
+DETECTION_KINDS = frozenset({ev.HEARTBEAT_LOST, ev.RANK_HUNG, ev.NODE_DOWN, ev.STEP_EXITED, ev.GPU_FAILED})
 #: Events that end the open recovery.
 CLOSING_KINDS = frozenset({ev.MIGRATION_DONE, ev.RESTARTED, ev.FAILED, ev.FINISHED})
 #: Fault classes, in the order they are reported.

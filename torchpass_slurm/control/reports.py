@@ -149,11 +149,14 @@ class Resumed(ReportFields):
 
 @dataclass(frozen=True, kw_only=True)
 class HealthWarning(ReportFields):
-    """The node's in-job health agent saw ``status`` (WARNING or CRITICAL)."""
+    """The node's in-job health agent saw ``status`` (WARNING or CRITICAL); ``move_now``: a GPU
+    signal that takes the node now (``health/gpu_signals.py``), an unplanned move rather than
+    a drain at a step boundary."""
 
     status: str
     summary: str
     node: str | None = None
+    move_now: bool | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

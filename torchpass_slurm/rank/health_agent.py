@@ -190,8 +190,11 @@ class HealthAgent(threading.Thread):
             if self.reported:
                 return
             self.reported = True
-        status = "CRITICAL" if verdict == Verdict.MOVE_NOW else "WARNING"
-        self._report(node=self.node, status=status, summary=f"gpu: {summary(findings, verdict)}"[:300])
+        text = f"gpu: {summary(findings, verdict)}"[:300]
+        if verdict == Verdict.MOVE_NOW:  # the supervisor moves the node now, not at a step boundary
+            self._report(node=self.node, status="CRITICAL", summary=text, move_now=True)
+        else:
+            self._report(node=self.node, status="WARNING", summary=text)
 
     def judge(self, report: HealthReport) -> None:
         from torchpass_slurm.health.checks import Status

@@ -57,6 +57,7 @@ __all__ = [
     "RANK_HUNG",
     "STEP_EXITED",
     "NODE_DOWN",
+    "GPU_FAILED",
     "DRAIN_SEEN",
     "SPARE_PROMOTED",
     "SPARE_LOST",
@@ -107,6 +108,7 @@ class EventKind(StrEnum):
     RANK_HUNG = "rank_hung"  # a rank still heartbeats but makes no step progress while its peers wait
     STEP_EXITED = "step_exited"  # an srun step (one node) ended
     NODE_DOWN = "node_down"  # Slurm reports a node of the job down / gone
+    GPU_FAILED = "gpu_failed"  # a node's health agent saw a GPU fault that takes the node now (detail=)
     DRAIN_SEEN = "drain_seen"  # an admin drain on a node of the job
     SPARE_PROMOTED = "spare_promoted"  # a spare took over a failed node's slot
     SPARE_LOST = "spare_lost"  # a spare died on standby
@@ -162,7 +164,7 @@ FIRST_STEP, MIGRATION_DONE, HEALTH_WARNING = (
     EventKind.HEALTH_WARNING,
 )
 FENCED, DRAIN_DEFERRED, NODE_RELEASED = EventKind.FENCED, EventKind.DRAIN_DEFERRED, EventKind.NODE_RELEASED
-MESH_LAYOUT, LOG_REPAIRED = EventKind.MESH_LAYOUT, EventKind.LOG_REPAIRED
+MESH_LAYOUT, LOG_REPAIRED, GPU_FAILED = EventKind.MESH_LAYOUT, EventKind.LOG_REPAIRED, EventKind.GPU_FAILED
 
 #: Deepest nesting of lists and objects in one line (the line's own object is level 1).
 MAX_FIELD_NESTING = 16

@@ -44,6 +44,7 @@ import re
 from dataclasses import dataclass
 
 from torchpass_slurm.config import SupervisorConfig
+from torchpass_slurm.control.reports import HealthWarning
 from torchpass_slurm.errors import SlurmError
 from torchpass_slurm.faults import Detector, Evidence, Fault, Resolution
 from torchpass_slurm.rundir import events as ev
@@ -110,13 +111,21 @@ class Detectors:
         if self._reported is None and self._settle is None:
             self._reported = Fault(node, Detector.COLLECTIVE_FAILED, detail)
 
-    def health_warning(self, node: str, status: str, summary: str) -> Fault | None:
-        """``node``'s health agent warns (pre-emptive: the node still works): the fault that
-        drains it, logged as ``health_warning``; None for a node that is not active."""
+    def health_warning(self, node: str, warning: HealthWarning) -> Fault | None:
+        """``node``'s health agent warns: the fault; None for a node that is not active.
+
+        A warning (pre-emptive: the node still works) drains it, logged as ``health_warning``.
+        A GPU signal that takes the node now (``move_now``) is an unplanned loss of the node
+        (``gpu_failed``, logged when its plan records the loss): its step is stopped and its
+        state comes from a replica, as for a node that died, without waiting for a step boundary.
+        """
         if node not in self.job.membership.active:
             return None
-        self.ctx.events.append(ev.HEALTH_WARNING, node=node, status=status, summary=summary)
-        return Fault(node, Detector.HEALTH_WARNING, f"{status}: {summary}")
+        detail = f"{warning.status}: {warning.summary}"
+        if warning.move_now:
+            return Fault(node, Detector.GPU_FAILED, detail, evidence=Evidence.HEALTH)
+        self.ctx.events.append(ev.HEALTH_WARNING, node=node, status=warning.status, summary=warning.summary)
+        return Fault(node, Detector.HEALTH_WARNING, detail)
 
     def _peers_named(self, error: str) -> list[str]:
         if self.ctx.probe is None:

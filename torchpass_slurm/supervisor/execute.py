@@ -47,6 +47,7 @@ _LOSS_EVENT = {
     Detector.NODE_DOWN: ev.NODE_DOWN,
     Detector.NODE_GONE: ev.NODE_DOWN,
     Detector.STEP_EXITED: ev.STEP_EXITED,
+    Detector.GPU_FAILED: ev.GPU_FAILED,
 }
 
 

@@ -19,6 +19,7 @@ in :func:`~torchpass_slurm.supervisor.plan.plan_recovery`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import time
@@ -27,7 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from torchpass_slurm.config import NodeRole, SupervisorConfig
+from torchpass_slurm.config import NodeRole, SupervisorConfig, transport_from_env
 from torchpass_slurm.control.bodies import Stop
 from torchpass_slurm.control.kinds import Kind, ReportKind
 from torchpass_slurm.control.messages import Message, body_of
@@ -129,6 +130,8 @@ class Supervisor:
         self.events = events
         self.clock = clock
         self.recovery = RecoveryPolicy(recovery)
+        #: what carries the state of a live migration (TORCHPASS_TRANSPORT), for status.json
+        self.transport = transport_from_env()
         self.store = store
         self.batch_host = socket.gethostname() if batch_host is None else batch_host
         self.job = JobState(job_id=job_id, membership=membership)
@@ -327,10 +330,8 @@ class Supervisor:
                 self.completion.released()
         elif isinstance(data, Resumed):
             self.completion.resumed(data)
-        elif isinstance(data, HealthWarning) and (
-            (fault := self.detectors.health_warning(node, data.status, data.summary)) is not None
-        ):  # pre-emptive: the planner drains the node
-            self._recover([fault])
+        elif isinstance(data, HealthWarning) and (fault := self.detectors.health_warning(node, data)):
+            self._recover([fault])  # pre-emptive: drained at a step boundary; move_now: lost now
 
     # -- status --------------------------------------------------------------------
     def _write_status(self, force: bool = False) -> None:
@@ -339,7 +340,8 @@ class Supervisor:
             return
         self._next_status = now + STATUS_INTERVAL_S
         try:
-            write_status(self.run_dir, job_status(self.job, self.run_dir, self.clock.time()))
+            status = job_status(self.job, self.run_dir, self.clock.time())
+            write_status(self.run_dir, dataclasses.replace(status, transport=self.transport))
         except OSError as err:
             logger.warning("could not write status.json: %s", err)
 

@@ -225,7 +225,7 @@ class Recorder:
         self.reports.append((event, fields))
 
 
-def test_move_now_is_reported_critical_once() -> None:
+def test_move_now_is_reported_critical_and_urgent_once() -> None:
     recorder = Recorder()
     agent = HealthAgent(recorder, "c2", interval=1.0)
     agent.on_gpu_findings(
@@ -248,6 +248,7 @@ def test_move_now_is_reported_critical_once() -> None:
                 "node": "c3",
                 "status": "CRITICAL",
                 "summary": "gpu: GPU 0 xid 79 GPU_HAS_FALLEN_OFF_THE_BUS: move now",
+                "move_now": True,
             },
         )
     ]
@@ -286,6 +287,7 @@ def test_the_agent_starts_the_waiter_on_nvidia_nodes(tmp_path: Path, monkeypatch
                 "node": "c2",
                 "status": "CRITICAL",
                 "summary": "gpu: GPU 1 xid 79 GPU_HAS_FALLEN_OFF_THE_BUS: move now",
+                "move_now": True,
             },
         )
     ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from torchpass_slurm.analysis.report import analyse
 from torchpass_slurm.control import messages as msg
 from torchpass_slurm.rundir import events as ev
 from torchpass_slurm.supervisor.loop import RunState
@@ -100,6 +101,34 @@ def test_a_health_warning_drains_the_node_and_its_drain_moves_it_to_the_spare(li
     assert h.supervisor.membership.active == ("c1", "c2", "c4")
     assert [e.fields["resolution"] for e in h.of_kind(ev.MIGRATION_DONE)] == ["live"]
     assert h.slurm.shrinks == [["c1", "c2", "c4"]]
+
+
+def test_a_move_now_gpu_signal_loses_the_node_at_once_and_moves_it_live(live: Live) -> None:
+    """A GPU signal that takes the node (XID 79: off the bus) is no drain at a step boundary:
+    the node's step is stopped and its state comes from a replica, as for a dead node."""
+    h, _ = live()
+    summary = "gpu: GPU 0 xid 79 GPU_HAS_FALLEN_OFF_THE_BUS: move now"
+    h.world.report("c3", "health_warning", at=3.0, status="CRITICAL", summary=summary, move_now=True)
+
+    result = h.run()
+
+    assert (result.state, result.epoch, result.restarts) == (RunState.SUCCEEDED, 1, 0)
+    assert h.slurm.drains == [] and h.of_kind(ev.HEALTH_WARNING) == []
+    (lost,) = h.of_kind(ev.GPU_FAILED)
+    assert (lost.fields["node"], lost.fields["detector"], lost.fields["evidence"]) == (
+        "c3",
+        "gpu_failed",
+        "health",
+    )
+    assert lost.fields["detail"] == f"CRITICAL: {summary}"
+    (started,) = h.of_kind(ev.MIGRATION_STARTED)
+    assert (started.fields["mode"], started.fields["failed"]) == ("live", ["c3"])
+    assert at_of(h, started) - at_of(h, lost) < 0.5  # at once: no settle, no step boundary
+    assert h.supervisor.membership.active == ("c1", "c2", "c4")
+    assert [e.fields["resolution"] for e in h.of_kind(ev.MIGRATION_DONE)] == ["live"]
+    assert "c3" not in h.supervisor.membership.spares  # a node whose GPU failed is not given back
+    (fault,) = analyse(h.events()).faults  # the report counts it as a fault that struck
+    assert (fault.fault_class, fault.detector, fault.resolution) == ("unplanned", "gpu_failed", "live")
 
 
 def test_a_second_health_warning_of_a_node_that_left_changes_nothing(live: Live) -> None:
