@@ -109,10 +109,12 @@ def status_as_json(status: JobStatus, now: float) -> str:
 
 
 def header_line(status: JobStatus, now: float) -> str:
-    """``job 4242  running  epoch 2  world size 8  restarts 0  status 1.0s old``."""
+    """``job 4242  running  epoch 2  world size 8  restarts 0  status 1.0s old``, with
+    ``transport mpi`` before ``status`` when the job's transport is not ``auto``."""
+    transport = f"transport {status.transport}  " if status.transport != "auto" else ""
     return (
         f"job {status.job_id}  {status.state}  epoch {status.epoch}  world size {status.world_size}  "
-        f"restarts {status.restarts}  status {format_age(now - status.updated)} old"
+        f"restarts {status.restarts}  {transport}status {format_age(now - status.updated)} old"
     )
 
 

@@ -37,7 +37,7 @@ from torchpass_slurm.submit import (
     sbatch_command_line,
     submit,
 )
-from torchpass_slurm.submit.placement import load_site_config
+from torchpass_slurm.submit.placement import load_site_tables
 
 #: Said once per user (a marker under XDG_STATE_HOME) when no supervisor partition is set.
 NOT_REPLACEABLE_NOTE = (
@@ -81,6 +81,11 @@ tp-submit's options:
                       [supervisor] partition in /etc/torchpass/submit.toml
                       or TORCHPASS_SUBMIT_CONFIG; `none`: on the node of
                       rank 0, which cannot be replaced)
+  --transport T       what carries a live migration's state: auto (a replica
+                      over the training's torch group, a leaving rank over a
+                      socket), torch, socket or mpi (MPICH connect/accept,
+                      steps under srun --mpi=pmi2); default: TORCHPASS_TRANSPORT,
+                      else the site's [transfer] transport, else auto
   --run-dir DIR       the job's folder on the shared file system (secret,
                       events, checkpoints, output); default:
                       ./torchpass-runs/<job-name>-<YYYYmmdd-HHMMSS>,
@@ -225,7 +230,7 @@ def tp_submit(app: App, argv: tuple[str, ...]) -> None:
     if request.script is not None:
         script = read_batch_script(request.script, cwd)
         check_script_interpreter(script)
-    site, site_path = load_site_config()
+    site, site_path = load_site_tables()
     spec = resolve_job_spec(
         request,
         script,
@@ -233,8 +238,9 @@ def tp_submit(app: App, argv: tuple[str, ...]) -> None:
         now=datetime.now(),
         secret_subpath=secret_subpath(),
         environ=os.environ,
-        site=site,
+        site=site.get("supervisor", {}),
         site_path=site_path,
+        site_transport=site.get("transfer", {}).get("transport"),
     )
     run_dir_given = _given("run-dir", request, script)
     submitter = make_submitter()

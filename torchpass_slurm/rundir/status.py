@@ -58,6 +58,8 @@ class JobStatus:
     #: (``supervisor/hold.py``), and when that wait ends (unix time)
     holding: tuple[str, ...] = ()
     holding_until: float | None = None
+    #: what carries a live migration's state (config.ENV_TRANSPORT: auto, socket, torch, mpi)
+    transport: str = "auto"
 
     def to_json(self) -> str:
         data = asdict(self)

@@ -70,15 +70,16 @@ SBATCH_OPTIONS: dict[str, tuple[str, str]] = {
     ),
 }
 
-#: tp-submit's own options: on the command line, and the first four in ``#TP`` lines.
+#: tp-submit's own options: on the command line, and the first five in ``#TP`` lines.
 TP_OPTIONS: dict[str, tuple[str, str]] = _table(
-    "spares spare-wait run-dir supervisor-partition dry-run", REQUIRED
+    "spares spare-wait run-dir supervisor-partition transport dry-run", REQUIRED
 )
 TP_OPTIONS["dry-run"] = ("", FLAG)
 TP_OPTIONS["debug"] = ("", FLAG)
 #: The options a ``#TP`` line may hold.
 TP_LINE_OPTIONS = {
-    name: TP_OPTIONS[name] for name in ("spares", "spare-wait", "run-dir", "supervisor-partition")
+    name: TP_OPTIONS[name]
+    for name in ("spares", "spare-wait", "run-dir", "supervisor-partition", "transport")
 }
 #: Everything tp-submit's command line may hold.
 COMMAND_LINE_OPTIONS = {**SBATCH_OPTIONS, **TP_OPTIONS}

@@ -36,6 +36,7 @@ __all__ = [
     "SITE_CONFIG",
     "SupervisorPlacement",
     "load_site_config",
+    "load_site_tables",
     "resolve_placement",
 ]
 
@@ -50,6 +51,9 @@ NO_SUPERVISOR_PARTITION = "none"
 DEFAULT_CPUS = 2
 DEFAULT_MEM_PER_CPU = "1G"
 _KEYS = ("partition", "cpus", "mem_per_cpu")
+#: The site file's tables and their keys; ``[transfer] transport`` is the site's default
+#: transport of live migrations (``submit/spec.py``, config.ENV_TRANSPORT).
+_TABLES = {"supervisor": _KEYS, "transfer": ("transport",)}
 _MEMORY = re.compile(r"[1-9][0-9]*[KMGT]?")
 
 
@@ -77,6 +81,13 @@ class SupervisorPlacement:
 
 def load_site_config(environ: Mapping[str, str] | None = None) -> tuple[dict[str, Any], str]:
     """The ``[supervisor]`` table of the site file and the file's path; ``{}`` when there is none."""
+    tables, path = load_site_tables(environ)
+    return tables.get("supervisor", {}), path
+
+
+def load_site_tables(environ: Mapping[str, str] | None = None) -> tuple[dict[str, dict[str, Any]], str]:
+    """Every table of the site file (``[supervisor]``, ``[transfer]``) and the file's path;
+    ``{}`` when there is no file. Unknown tables and keys are errors that list the valid ones."""
     env = os.environ if environ is None else environ
     path = Path(env.get(ENV_SUBMIT_CONFIG) or SITE_CONFIG)
     if sys.version_info >= (3, 11):
@@ -92,19 +103,25 @@ def load_site_config(environ: Mapping[str, str] | None = None) -> tuple[dict[str
             f"cannot read tp-submit's site configuration {path}: {err}",
             hint=f"fix the file, or point {ENV_SUBMIT_CONFIG} at another",
         ) from None
-    unknown = sorted(set(data) - {"supervisor"})
-    if unknown:
-        raise ConfigError(f"{path}: unknown table(s) {', '.join(unknown)}; the valid one is [supervisor]")
-    table = data.get("supervisor", {})
-    if not isinstance(table, dict):
-        raise ConfigError(f"{path}: `supervisor` must be a table ([supervisor])")
-    unknown = sorted(set(table) - set(_KEYS))
+    unknown = sorted(set(data) - set(_TABLES))
     if unknown:
         raise ConfigError(
-            f"{path}: unknown key(s) {', '.join(unknown)} in [supervisor]; "
-            f"the valid ones are {', '.join(_KEYS)}"
+            f"{path}: unknown table(s) {', '.join(unknown)}; the valid ones are "
+            + ", ".join(f"[{name}]" for name in _TABLES)
         )
-    return dict(table), str(path)
+    tables: dict[str, dict[str, Any]] = {}
+    for name, keys in _TABLES.items():
+        table = data.get(name, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: `{name}` must be a table ([{name}])")
+        unknown = sorted(set(table) - set(keys))
+        if unknown:
+            raise ConfigError(
+                f"{path}: unknown key(s) {', '.join(unknown)} in [{name}]; "
+                f"the valid ones are {', '.join(keys)}"
+            )
+        tables[name] = dict(table)
+    return tables, str(path)
 
 
 def _checked(table: Mapping[str, Any], path: str) -> tuple[int, str]:

@@ -25,6 +25,7 @@ from torchpass_slurm.config import (
     ENV_SPARE_WAIT,
     ENV_SPARES,
     ENV_TRAINING_HET_GROUP,
+    ENV_TRANSPORT,
 )
 from torchpass_slurm.rundir.locate import RUN_DIR_COMMENT_PREFIX
 from torchpass_slurm.submit.options import SBATCH_OPTIONS, parse_options
@@ -112,6 +113,7 @@ def render_batch_script(spec: JobSpec) -> str:
         f"export {ENV_NODES}={spec.nodes}",
         f"export {ENV_SPARES}={spec.spares}",
         *([f"export {ENV_SPARE_WAIT}={spec.spare_wait:g}"] if spec.spare_wait is not None else []),
+        *([f"export {ENV_TRANSPORT}={spec.transport}"] if spec.transport is not None else []),
         f"export {ENV_NTASKS_PER_NODE}={spec.ntasks_per_node}",
         f"export {ENV_RUN_DIR}={q(spec.run_dir)}",
         f"export {ENV_SECRET_FILE}={q(spec.secret_file)}",

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
-from torchpass_slurm.errors import SubmitError
+from torchpass_slurm.config import ENV_TRANSPORT, check_transport
+from torchpass_slurm.errors import ConfigError, SubmitError
 from torchpass_slurm.submit.batch_script import BatchScript
 from torchpass_slurm.submit.command_line import SubmitRequest
 from torchpass_slurm.submit.options import COMMAND_LINE, UNDERSTOOD, Option
@@ -60,6 +61,9 @@ class JobSpec:
     #: ``--spare-wait``: seconds the job may hold its step for a spare (TORCHPASS_SPARE_WAIT);
     #: None: the setting's default or environment.
     spare_wait: float | None = None
+    #: ``--transport``, else TORCHPASS_TRANSPORT, else the site file's ``[transfer] transport``
+    #: (config.ENV_TRANSPORT), checked; None: none of them, the ranks use ``auto``.
+    transport: str | None = None
 
     @property
     def total_nodes(self) -> int:
@@ -103,6 +107,23 @@ def _seconds(option: Option | None, what: str) -> float | None:
             hint="e.g. --spare-wait 300; 0 ends the job at once when no spare is left",
         )
     return value
+
+
+def _transport(option: Option | None, environ: Mapping[str, str], site: Any, site_path: str) -> str | None:
+    """The job's transport by the precedence command line > environment > site file; None: unset."""
+    if option is not None:
+        try:
+            return check_transport(option.value or "", f"--transport={option.value!r} (from {option.origin})")
+        except ConfigError as err:
+            raise SubmitError(err.message, hint=err.hint) from None
+    raw = environ.get(ENV_TRANSPORT)
+    if raw is not None and raw.strip():
+        return check_transport(raw, f"{ENV_TRANSPORT}={raw!r}")
+    if site is not None:
+        if not isinstance(site, str):
+            raise ConfigError(f"{site_path}: [transfer] transport must be a string, got {site!r}")
+        return check_transport(site, f"{site_path}: [transfer] transport")
+    return None
 
 
 def _node_count(option: Option | None) -> int | None:
@@ -214,6 +235,7 @@ def resolve_job_spec(
     environ: Mapping[str, str] | None = None,
     site: Mapping[str, Any] | None = None,
     site_path: str = str(SITE_CONFIG),
+    site_transport: str | None = None,
 ) -> JobSpec:
     """Merge the command line over the script's directives and decide every value (pure).
 
@@ -221,7 +243,8 @@ def resolve_job_spec(
     ``secret_subpath`` is where :func:`~torchpass_slurm.control.secret.create_secret`
     will put the secret in the run dir. ``environ`` and ``site`` (the site file's
     ``[supervisor]`` table, read from ``site_path``) place the supervisor
-    (:func:`~torchpass_slurm.submit.placement.resolve_placement`).
+    (:func:`~torchpass_slurm.submit.placement.resolve_placement`); ``environ`` and
+    ``site_transport`` (its ``[transfer] transport``) give the transport under ``--transport``.
     """
     options = (*(script.directives if script else ()), *request.options)
     _refuse_unsupported(options)
@@ -250,6 +273,7 @@ def resolve_job_spec(
             _value(options, "supervisor-partition"), environ or {}, site or {}, site_path
         ),
         spare_wait=_seconds(_last(options, "spare-wait"), "--spare-wait"),
+        transport=_transport(_last(options, "transport"), environ or {}, site_transport, site_path),
     )
     _refuse_control_characters(spec)
     if spec.total_nodes > MAX_NODES:
