@@ -164,12 +164,37 @@ def _seam_log() -> Any:
     return logging.LoggerAdapter(logging.getLogger("gpu-check"), {})
 
 
-def _info(rank: int, gpus: int, epoch: int) -> Any:
+def _info(rank: int, gpus: int, epoch: int, port: int) -> Any:
     from torchpass_slurm.rank.rankinfo import RankInfo
 
     # local_rank picks the GPU in the seam (cuda:<local rank % devices>): both ranks on GPU 0
-    # when there is one, one each when there are two.
-    return RankInfo(rank, 2, rank % gpus, min(gpus, 2), None, None, epoch=epoch)
+    # when there is one, one each when there are two. The store's port is named so that the
+    # seam never takes the store's connections for the group's (gloo's abort shuts those down).
+    return RankInfo(rank, 2, rank % gpus, min(gpus, 2), None, None, epoch, "127.0.0.1", port)
+
+
+def _device(backend: str, index: int) -> Any:
+    """The rank's device: a GPU for NCCL; the CPU for gloo (how the unit tests run the trial)."""
+    import torch
+
+    if backend != "nccl":
+        return torch.device("cpu")
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _backend(name: str) -> Any:
+    from torchpass_slurm.rank.backends import GlooBackend, NcclBackend
+
+    return NcclBackend() if name == "nccl" else GlooBackend()
 
 
 def _store(port: int, master: bool) -> Any:
@@ -180,25 +205,26 @@ def _store(port: int, master: bool) -> Any:
     return dist.TCPStore("127.0.0.1", port, None, master, timedelta(seconds=60))
 
 
-def nccl_rank(mode: str, rank: int, port: int, gpus: int, events: dict[str, Any], out: Any) -> None:
+def nccl_rank(
+    mode: str, rank: int, port: int, gpus: int, events: dict[str, Any], out: Any, kind: str = "nccl"
+) -> None:
     """Rank 0 or 1 of the first communicator (the seam's NcclBackend); rank 1 waits to be killed."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    from torchpass_slurm.rank.backends import NcclBackend, Rebuild, RebuildRequest
+    from torchpass_slurm.rank.backends import Rebuild, RebuildRequest
 
     log, timeout = _seam_log(), timedelta(seconds=90)
-    device = torch.device("cuda", rank % gpus)
-    torch.cuda.set_device(device)
+    device = _device(kind, rank % gpus)
     store = _store(port, rank == 0)
-    backend = NcclBackend()
-    backend.create(_info(rank, gpus, 0), timeout, log, store=dist.PrefixStore("epoch0", store))
+    backend = _backend(kind)
+    backend.create(_info(rank, gpus, 0, port), timeout, log, store=dist.PrefixStore("epoch0", store))
     t = torch.ones(1 << 20, device=device)
     for _ in range(3):
         dist.all_reduce(t)
-    torch.cuda.synchronize(device)
+    _sync(device)
     out.put(("warm", rank, float(t[0].item())))
     if rank == 1:
         time.sleep(3600)  # SIGKILLed by the parent
@@ -212,14 +238,14 @@ def nccl_rank(mode: str, rank: int, port: int, gpus: int, events: dict[str, Any]
         out.put(("abort_s", 0, time.perf_counter() - began))
         out.put(("aborted", 0, float(aborted)))
         began = time.perf_counter()
-        torch.cuda.synchronize(device)
+        _sync(device)
         out.put(("drain_s", 0, time.perf_counter() - began))
         events["promote"].set()
         began = time.perf_counter()
         request = RebuildRequest(epoch=1, old_world=2, new_world=2)  # the spare takes rank 1
 
         def fresh() -> None:
-            backend.create(_info(0, gpus, 1), timeout, log, store=dist.PrefixStore("epoch1", store))
+            backend.create(_info(0, gpus, 1, port), timeout, log, store=dist.PrefixStore("epoch1", store))
 
         how = backend.rebuild(request, fresh, log)
         checked_all_reduce(0, device)
@@ -236,9 +262,17 @@ def nccl_rank(mode: str, rank: int, port: int, gpus: int, events: dict[str, Any]
         out.put(("shrunk", 0, float(how is Rebuild.SHRINK)))
         x = torch.full((4,), 3.0, device=device)
         dist.all_reduce(x)  # the shrunk group is the default group now (torch's shrink_group)
-        torch.cuda.synchronize(device)
+        _sync(device)
         out.put(("shrunk_allreduce", 0, float(x[0].item())))
-    os._exit(0)  # the aborted group's destructor is not waited for
+    _exit(out)
+
+
+def _exit(out: Any) -> None:
+    """Flush the queue's feeder thread (its last messages would be lost), then leave at once: an
+    aborted group's destructor is not waited for."""
+    out.close()
+    out.join_thread()
+    os._exit(0)
 
 
 def checked_all_reduce(rank: int, device: Any) -> None:
@@ -248,36 +282,35 @@ def checked_all_reduce(rank: int, device: Any) -> None:
 
     x = torch.full((4,), float(rank + 1), device=device)
     dist.all_reduce(x)
-    torch.cuda.synchronize(device)
+    _sync(device)
     if float(x[0].item()) != 3.0:
         raise RuntimeError(f"the new communicator's all-reduce gave {x[0].item()}, expected 3.0")
 
 
-def nccl_spare(port: int, gpus: int, events: dict[str, Any], out: Any) -> None:
+def nccl_spare(port: int, gpus: int, events: dict[str, Any], out: Any, kind: str = "nccl") -> None:
     """The hot spare: CUDA up, then rank 1 of epoch 1's communicator (the seam) when promoted."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    from torchpass_slurm.rank.backends import NcclBackend
-
-    device = torch.device("cuda", 1 % gpus)
-    torch.cuda.set_device(device)
+    device = _device(kind, 1 % gpus)
     torch.ones(1, device=device).sum().item()
     store = _store(port, False)
     out.put(("spare-ready", 2, 0.0))
     events["promote"].wait(120)
     began = time.perf_counter()
-    NcclBackend().create(
-        _info(1, gpus, 1), timedelta(seconds=90), _seam_log(), store=dist.PrefixStore("epoch1", store)
+    _backend(kind).create(
+        _info(1, gpus, 1, port), timedelta(seconds=90), _seam_log(), store=dist.PrefixStore("epoch1", store)
     )
     checked_all_reduce(1, device)
     out.put(("spare_side_s", 2, time.perf_counter() - began))
-    os._exit(0)
+    _exit(out)
 
 
-def nccl_trial(mode: str, gpus: int, extra_env: dict[str, str]) -> StepResult:
+def nccl_trial(mode: str, gpus: int, extra_env: dict[str, str], kind: str = "nccl") -> StepResult:
+    """One trial (``mode`` abort or shrink) of the module doc's step 2. ``kind`` "gloo" runs the
+    same processes and checks on the CPU through the seam's GlooBackend (the unit test's way)."""
     name = f"nccl-{mode}"
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -285,14 +318,14 @@ def nccl_trial(mode: str, gpus: int, extra_env: dict[str, str]) -> StepResult:
     port = free_port()
     got: dict[str, float] = {}
     with env_set(extra_env):
-        procs = [ctx.Process(target=nccl_rank, args=(mode, r, port, gpus, events, out)) for r in (0, 1)]
+        procs = [ctx.Process(target=nccl_rank, args=(mode, r, port, gpus, events, out, kind)) for r in (0, 1)]
         if mode == "abort":
-            procs.append(ctx.Process(target=nccl_spare, args=(port, gpus, events, out)))
+            procs.append(ctx.Process(target=nccl_spare, args=(port, gpus, events, out, kind)))
         for p in procs:
             p.start()
     deadline = time.monotonic() + TRIAL_TIMEOUT_S
     want = {
-        "abort": {"abort_s", "drain_s", "spare_s", "spare_side_s"},
+        "abort": {"abort_s", "aborted", "drain_s", "spare_s", "spare_side_s", "fresh"},
         "shrink": {"shrink_s", "shrunk", "shrunk_allreduce"},
     }[mode]
     try:
@@ -318,6 +351,8 @@ def nccl_trial(mode: str, gpus: int, extra_env: dict[str, str]) -> StepResult:
         return StepResult(
             name, FAILED, f"missing {sorted(want - set(got))} after {TRIAL_TIMEOUT_S:.0f} s", numbers
         )
+    if mode == "abort" and (got["aborted"] < 1.0 or got["fresh"] != 1.0):
+        return StepResult(name, FAILED, "the seam aborted no group, or did not build a fresh one", numbers)
     if mode == "shrink" and (got["shrunk"] != 1.0 or got["shrunk_allreduce"] != 3.0):
         return StepResult(
             name, FAILED, "the seam did not shrink, or the shrunk all-reduce was wrong", numbers
@@ -344,7 +379,8 @@ def make_shard(total_mb: int, device: Any, fill: bool) -> dict[str, Any]:
     return state
 
 
-def transfer_step(shard_mb: int, gpus: int) -> StepResult:
+def transfer_step(shard_mb: int, gpus: int, kind: str = "cuda") -> StepResult:
+    """Step 3; ``kind`` "cpu" runs the same code on host memory (the unit test's way)."""
     import threading
     from datetime import timedelta
 
@@ -353,17 +389,19 @@ def transfer_step(shard_mb: int, gpus: int) -> StepResult:
     from torchpass_slurm.transfer import SocketListener, SocketTransport, recv_state, send_state
 
     timeout = timedelta(seconds=120)
-    src = make_shard(shard_mb, torch.device("cuda", 0), fill=True)
-    dst = make_shard(shard_mb, torch.device("cuda", 1 % gpus), fill=False)
+    cuda = kind == "cuda"
+    src = make_shard(shard_mb, torch.device(kind, 0) if cuda else torch.device("cpu"), fill=True)
+    dst = make_shard(shard_mb, torch.device(kind, 1 % gpus) if cuda else torch.device("cpu"), fill=False)
     nbytes = sum(t.numel() * t.element_size() for t in src.values())
-    torch.cuda.synchronize()
-    flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=next(iter(src.values())).device)
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     d2h = []
     for _ in range(3):
         began = time.perf_counter()
-        pinned.copy_(flat, non_blocking=True)
-        torch.cuda.synchronize()
+        pinned.copy_(flat, non_blocking=cuda)
+        sync()
         d2h.append(time.perf_counter() - began)
     began = time.perf_counter()
     for t in src.values():

@@ -127,3 +127,22 @@ def test_shrink_needs_nccl_2_27_and_skipping_it_passes(
         "detail": "NCCL 2.21.5 < 2.27.3",
         "numbers": {},
     }
+
+
+def test_the_abort_trial_runs_through_the_seam_on_gloo() -> None:
+    """The trial's processes, kill, abort and spare, on the CPU with the seam's GlooBackend:
+    the harness that runs NCCL on a GPU machine (where nothing of it has run yet)."""
+    pytest.importorskip("torch")
+    result = gpu_check.nccl_trial("abort", 1, {}, kind="gloo")
+    assert (result.status, result.detail) == (OK, "rank 1 SIGKILLed mid-all-reduce; rank 0 recovered")
+    assert result.numbers["aborted"] == 1.0 and result.numbers["fresh"] == 1.0
+    assert result.numbers["warm/0"] == result.numbers["warm/1"] == 8.0  # 1, 2, 4, 8: both ranks reduced
+    assert 0 < result.numbers["spare_s"] < gpu_check.TRIAL_TIMEOUT_S
+
+
+def test_the_transfer_step_moves_a_shard_bitwise_on_host_memory() -> None:
+    pytest.importorskip("torch")
+    result = gpu_check.transfer_step(4, 1, kind="cpu")
+    assert (result.status, result.numbers["bitwise_equal"]) == (OK, True)
+    assert result.numbers["tensors"] == 400
+    assert result.numbers["chunks"] == -(-result.numbers["bytes"] // (4 << 20))
