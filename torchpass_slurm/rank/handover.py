@@ -44,10 +44,12 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from torchpass_slurm import config as cfg
 from torchpass_slurm.control.messages import ReportKind
 from torchpass_slurm.errors import NoReplicaError, TransferError
 from torchpass_slurm.mesh import MeshLayout, assign_donors
 from torchpass_slurm.rank.group import destroy_group
+from torchpass_slurm.rank.routes import ROUTE_KEY, receive_routed, route_of, send_routed
 from torchpass_slurm.rank.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -137,6 +139,14 @@ class Handover:
         #: bytes this rank received in its last transfer
         self.received_bytes = 0
         self._progress: Any = None  # transfer progress, kept across a donor's death (resumable)
+        #: the job's transport setting (TORCHPASS_TRANSPORT): the route of a replica donor
+        self.route = route_of(cfg.transport_from_env())
+        if self.route == "mpi":  # every rank of a step starts its MPI now: MPI_Init is collective
+            from torchpass_slurm.transfer.mpi_transport import mpi_problem
+
+            problem = mpi_problem()
+            if problem is not None:
+                rt.log.warning("transport mpi: %s; transfers will go over the group", problem)
 
     def agree(self, step: int, leaving: Collection[int]) -> Agreement:
         import torch
@@ -197,22 +207,86 @@ class Handover:
 
         state, meta = self.training.outgoing(self.rt.rank, step)
         seal = self.rt.transfer_seal(self.rt.epoch, step, self.rt.rank, receiver)
-        stats = send_state(TorchTransport(receiver), state, timeout=TRANSFER_TIMEOUT, meta=meta, seal=seal)
-        self.rt.log.info("sent the state of step %d to rank %d: %s", step, receiver, stats)
+        route = self._route_store(seal)
+        if route is None or seal is None:
+            stats = send_state(
+                TorchTransport(receiver), state, timeout=TRANSFER_TIMEOUT, meta=meta, seal=seal
+            )
+            via = "group"
+        else:
+            store, host = route
+            key = ROUTE_KEY.format(donor=self.rt.rank, receiver=receiver)
+            stats, via = send_routed(
+                self.route, store, key, seal, host, state, meta, lambda: TorchTransport(receiver), self.rt.log
+            )
+        self.rt.log.info("sent the state of step %d to rank %d via %s: %s", step, receiver, via, stats)
+
+    def _route_store(self, seal: Seal | None) -> tuple[Any, str] | None:
+        """This epoch's view of the job's store and this host's address on the job's network
+        when the transfer takes a route of its own (``rank/routes.py``), else None: the group
+        (no setting for one, or no store or secret: not under tp run)."""
+        info = self.rt.info
+        if (
+            self.route == "group"
+            or seal is None
+            or info is None
+            or not info.store_addr
+            or not info.store_port
+        ):
+            return None
+        addr, port = info.store_addr, int(info.store_port)
+        base, store = _epoch_store(self.rt.job_store, addr, port, self.rt.epoch, PLANNED_HANDOVER_TIMEOUT)
+        self._store_base = base  # kept alive while the view is in use (_epoch_store)
+        return store, _reachable_host(addr, port)
 
     def _receive(self, donor: int, step: int, *, leaving: bool) -> None:
-        from torchpass_slurm.transfer import ReceiveProgress, TorchTransport, recv_state
+        from torchpass_slurm.transfer import ReceiveProgress, TorchTransport
 
         into, accept = self.training.incoming(self.rt.rank, donor, step)  # filled in place
         if self.training.resumable and self._progress is None:
             self._progress = ReceiveProgress()
         seal = self.rt.transfer_seal(self.rt.epoch, step, donor, self.rt.rank)
+        route = None if leaving else self._route_store(seal)
+        if route is not None and seal is not None:
+            store = route[0]
+            key = ROUTE_KEY.format(donor=donor, receiver=self.rt.rank)
+            received, stats, via = receive_routed(
+                self.route,
+                store,
+                key,
+                seal,
+                lambda: TorchTransport(donor),
+                into=into,
+                progress=self._progress,
+                accept=accept,
+                log=self.rt.log,
+            )
+        else:
+            received, stats = self._receive_over(donor, seal, leaving, into, accept)
+            via = "socket" if leaving else "group"
+        self.training.load(received)
+        self._progress = None
+        self.received = True
+        self.received_bytes = stats.bytes
+        report_transfer(
+            self.rt,
+            donor,
+            step,
+            stats,
+            sealed=seal is not None,
+            **{"via": via, **self.training.transfer_fields(via)},
+        )
+
+    def _receive_over(self, donor: int, seal: Seal | None, leaving: bool, into: Any, accept: Any) -> Any:
+        """Receive from ``donor`` over the group, or from a leaving donor over its socket."""
+        from torchpass_slurm.transfer import TorchTransport, recv_state
+
         if leaving:
             transport: Transport = connect_to_leaving(self.rt, donor, seal)
         else:
             transport = TorchTransport(donor)
         try:
-            received, stats = recv_state(
+            return recv_state(
                 transport,
                 timeout=TRANSFER_TIMEOUT,
                 into=into,
@@ -223,14 +297,6 @@ class Handover:
         finally:
             if leaving:
                 transport.close()
-        self.training.load(received)
-        self._progress = None
-        self.received = True
-        self.received_bytes = stats.bytes
-        via = "socket" if leaving else "group"
-        report_transfer(
-            self.rt, donor, step, stats, sealed=seal is not None, **self.training.transfer_fields(via)
-        )
 
     def leave(self, body: Reconfigure, step: int) -> None:
         """This rank leaves by the drain ``body`` at ``step``: its old group goes (no peer waits on

@@ -40,6 +40,10 @@ __all__ = ["MPITransport", "mpi_problem"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_TAG = 7077
+#: How long :meth:`MPITransport.close` waits for the peer's side of ``Disconnect``.
+DISCONNECT_TIMEOUT = timedelta(seconds=10)
+#: How often a bounded blocking call (:func:`_blocking_within`) asks whether to give up.
+CANCEL_POLL_S = 0.5
 
 
 def mpi_problem() -> str | None:
@@ -99,13 +103,20 @@ class MPITransport(AsyncTransport):
         comm.Set_errhandler(MPI.ERRORS_RETURN)
 
     @classmethod
-    def accept(cls, publish: Callable[[str], None], timeout: timedelta) -> MPITransport:
-        """Open a port, hand its name to ``publish`` (a file, the control plane), accept one peer."""
+    def accept(
+        cls,
+        publish: Callable[[str], None],
+        timeout: timedelta,
+        cancelled: Callable[[], str | None] | None = None,
+    ) -> MPITransport:
+        """Open a port, hand its name to ``publish`` (a file, the control plane), accept one peer.
+        ``cancelled`` is asked about twice a second while waiting: a reason (the peer said it
+        will not come) ends the wait early with a TransferError."""
         MPI = _mpi()
         port = MPI.Open_port()
         publish(port)
         try:
-            comm = _blocking_within(lambda: MPI.COMM_SELF.Accept(port), timeout, "accept")
+            comm = _blocking_within(lambda: MPI.COMM_SELF.Accept(port), timeout, "accept", cancelled)
         finally:
             MPI.Close_port(port)
         return cls(comm, 0)
@@ -139,19 +150,27 @@ class MPITransport(AsyncTransport):
             raise self.failed(op, buf.numel(), exc) from exc
         return _RequestHandle(self, request, op, buf.numel())
 
-    def close(self) -> None:
-        """Disconnect from a healthy peer; a broken communicator is only dropped (Disconnect could hang)."""
+    def close(self, timeout: timedelta = DISCONNECT_TIMEOUT) -> None:
+        """Disconnect from a healthy peer; a broken communicator is only dropped (Disconnect could
+        hang). Disconnect is collective: a peer that died after the last message would hold it
+        forever, so it runs on an abandoned helper thread, bounded by ``timeout``."""
         comm, self.comm = self.comm, None
         if comm is None or self.broken is not None:
             return
         try:
-            comm.Disconnect()
-        except _mpi().Exception as exc:  # pragma: no cover - depends on the MPI library
-            logger.debug("MPI Disconnect failed: %s", exc)
+            _blocking_within(comm.Disconnect, timeout, "disconnect")
+        except TransferError as exc:
+            logger.debug("MPI Disconnect did not complete: %s", exc)
 
 
-def _blocking_within(call: Callable[[], Any], timeout: timedelta, what: str) -> Any:
-    """Run a blocking MPI call on a helper thread; TransferTimeout if it does not return in time.
+def _blocking_within(
+    call: Callable[[], Any],
+    timeout: timedelta,
+    what: str,
+    cancelled: Callable[[], str | None] | None = None,
+) -> Any:
+    """Run a blocking MPI call on a helper thread; TransferTimeout if it does not return in time,
+    a TransferError as soon as ``cancelled`` (asked every :data:`CANCEL_POLL_S`) gives a reason.
 
     An MPI error becomes a TransferError; anything else the call raised is raised as it is.
     """
@@ -165,7 +184,13 @@ def _blocking_within(call: Callable[[], Any], timeout: timedelta, what: str) -> 
 
     thread = threading.Thread(target=run, name=f"tp-mpi-{what}", daemon=True)
     thread.start()
-    thread.join(seconds(timeout))
+    deadline = time.monotonic() + seconds(timeout)
+    step = CANCEL_POLL_S if cancelled is not None else seconds(timeout)
+    while thread.is_alive() and (left := deadline - time.monotonic()) > 0:
+        thread.join(min(step, left))
+        why = cancelled() if cancelled is not None and thread.is_alive() else None
+        if why:
+            raise TransferError(f"mpi: {what} given up: {why}; the MPI call is abandoned")
     if thread.is_alive():
         raise timeout_error("mpi", what, 0, timeout, "the peer did not show up; the MPI call is abandoned")
     error = result.get("error")
