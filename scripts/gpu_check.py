@@ -348,8 +348,13 @@ def nccl_trial(mode: str, gpus: int, extra_env: dict[str, str], kind: str = "ncc
                 p.kill()
     numbers = {k: round(v, 4) for k, v in got.items()}
     if not want <= set(got):
+        code = procs[0].exitcode
+        why = f"rank 0 exited with status {code}" if code not in (None, 0) else "a process hung"
         return StepResult(
-            name, FAILED, f"missing {sorted(want - set(got))} after {TRIAL_TIMEOUT_S:.0f} s", numbers
+            name,
+            FAILED,
+            f"missing {sorted(want - set(got))}: {why} (limit {TRIAL_TIMEOUT_S:.0f} s; its traceback above)",
+            numbers,
         )
     if mode == "abort" and (got["aborted"] < 1.0 or got["fresh"] != 1.0):
         return StepResult(name, FAILED, "the seam aborted no group, or did not build a fresh one", numbers)

@@ -146,3 +146,14 @@ def test_the_transfer_step_moves_a_shard_bitwise_on_host_memory() -> None:
     assert (result.status, result.numbers["bitwise_equal"]) == (OK, True)
     assert result.numbers["tensors"] == 400
     assert result.numbers["chunks"] == -(-result.numbers["bytes"] // (4 << 20))
+
+
+def test_a_trial_whose_rank_fails_is_a_failed_step() -> None:
+    """gloo cannot shrink: the seam rebuilds fresh where the shrink trial wants a shrink, rank 0
+    raises, and the step fails at once with what happened (not after the trial's limit)."""
+    pytest.importorskip("torch")
+    result = gpu_check.nccl_trial("shrink", 1, {}, kind="gloo")
+    assert result.status == FAILED
+    assert result.detail.startswith(
+        "missing ['shrink_s', 'shrunk', 'shrunk_allreduce']: rank 0 exited with status 1"
+    )
