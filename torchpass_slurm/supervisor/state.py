@@ -117,45 +117,6 @@ class Holding:
         return Holding(self.faults + more, self.since, self.until, self.wait_s)
 
 
-def _chained(
-    prev: Migration | None,
-    epoch: int,
-    now: float,
-    committed: int | None,
-    failed: Sequence[str],
-    resolution: Resolution = Resolution.LIVE,
-    *,
-    receiving: Sequence[str] = (),
-) -> Migration:
-    """The :class:`~.state.Migration` of a recovery that starts now. One that starts while
-    another is in flight (a fault during a recovery, a live move that fell back to a restart,
-    a restart before the ranks resumed) continues its chain: the first one's start, its
-    committed high mark (the chain's lost and recomputed steps count from it, once) and every
-    node lost since; it alone will be closed, with the chain's numbers. ``receiving``: the
-    spares promoted live now; with the chain's earlier ones not lost since, they hold no
-    replica until the chain is done."""
-    if prev is None:
-        return Migration(
-            epoch=epoch,
-            started=now,
-            committed=committed,
-            failed=tuple(failed),
-            resolution=resolution,
-            receiving=tuple(receiving),
-            epoch_started=now,
-        )
-    earlier = tuple(n for n in prev.receiving if n not in failed or n in receiving)
-    return Migration(
-        epoch=epoch,
-        started=prev.started,
-        committed=prev.committed if prev.committed is not None else committed,
-        failed=prev.failed + tuple(n for n in failed if n not in prev.failed),
-        resolution=resolution,
-        receiving=earlier + tuple(n for n in receiving if n not in earlier),
-        epoch_started=now,
-    )
-
-
 @dataclass
 class JobState:
     """One job's membership, steps and progress, as the supervisor knows them."""
@@ -223,9 +184,27 @@ class JobState:
         *,
         receiving: Sequence[str] = (),
     ) -> None:
-        """A recovery from lost nodes starts now; one in flight is continued (:func:`_chained`)."""
-        self.migration = _chained(
-            self.migration, epoch, now, committed, failed, resolution, receiving=receiving
+        """A recovery from lost nodes starts now. One that starts while another is in flight (a
+        fault during a recovery, a live move that fell back to a restart, a restart before the
+        ranks resumed) continues its chain: the first one's start, its committed high mark (the
+        chain's lost and recomputed steps count from it, once) and every node lost since; it
+        alone will be closed, with the chain's numbers. ``receiving``: the spares promoted live
+        now; with the chain's earlier ones not lost since, they hold no replica until the chain
+        is done."""
+        prev = self.migration
+        earlier = (
+            () if prev is None else tuple(n for n in prev.receiving if n not in failed or n in receiving)
+        )
+        self.migration = Migration(
+            epoch=epoch,
+            started=now if prev is None else prev.started,
+            committed=committed if prev is None or prev.committed is None else prev.committed,
+            failed=tuple(failed)
+            if prev is None
+            else prev.failed + tuple(n for n in failed if n not in prev.failed),
+            resolution=resolution,
+            receiving=earlier + tuple(n for n in receiving if n not in earlier),
+            epoch_started=now,
         )
 
     def recovery_agreed(self, epoch: object, committed_step: int) -> None:
