@@ -306,6 +306,7 @@ class NcclBackend(_Common):
         device = self._device(info)
         if device is not None:  # eager: the communicator exists before the first collective
             kwargs["device_id"] = device
+            _pin(device)
         dist.init_process_group(**kwargs)
         adopt_group(info.epoch, (), abort_all=self.abort_groups)
         return 0
@@ -394,6 +395,15 @@ def _local_cuda_device(info: RankInfo) -> Any:
 
     count = torch.cuda.device_count()
     return torch.device("cuda", info.local_rank % count) if count else None
+
+
+def _pin(device: Any) -> None:
+    """Make ``device`` (cuda:<local rank>) this process's current GPU: with N ranks on a node, each
+    rank's tensors, NCCL's streams and a spare taking the rank land on the rank's own GPU."""
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
 
 
 def _torch_groups() -> list[Any]:
