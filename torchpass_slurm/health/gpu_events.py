@@ -43,6 +43,7 @@ from torchpass_slurm.health.gpu_signals import (
     judge_event,
     judge_reading,
 )
+from torchpass_slurm.health.sources.nvml import NvmlQueries, describe
 
 logger = logging.getLogger(__name__)
 
@@ -70,36 +71,9 @@ def nvml_available() -> bool:
         return False
 
 
-def _describe(err: BaseException) -> str:
-    return f"{type(err).__name__}: {err}"
-
-
 def _code(err: BaseException) -> int | None:
     value = getattr(err, "value", None)
     return value if isinstance(value, int) else None
-
-
-class _Reads:
-    """One GPU's reads: NOT_SUPPORTED is None, GPU_IS_LOST marks it lost, anything else an error."""
-
-    def __init__(self) -> None:
-        self.lost = False
-        self.errors: dict[str, str] = {}
-
-    def __call__(self, field: str, fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return fn(*args)
-        # Deliberately broad: this runs inside the training; a broken binding's TypeError is the
-        # read's failure (unknown), not the training's.
-        except Exception as err:
-            code = _code(err)
-            if code == _NOT_SUPPORTED:
-                return None
-            if code == _GPU_IS_LOST:
-                self.lost = True
-                return None
-            self.errors.setdefault(field, _describe(err))
-            return None
 
 
 def _field_value(values: Any) -> int | None:
@@ -118,7 +92,7 @@ def _field_value(values: Any) -> int | None:
 
 def read_gpu(nvml: ModuleType, index: int, handle: Any) -> GpuReading:
     """What the waiter reads of one GPU: recovery action, ECC, remapped rows, throttle reasons."""
-    q = _Reads()
+    q = NvmlQueries(Exception)  # inside the training: any failure is a failed read
     action = q(
         "recovery_action",
         lambda: _field_value(nvml.nvmlDeviceGetFieldValues(handle, [RECOVERY_ACTION_FIELD])),
@@ -187,7 +161,7 @@ class NvmlEventWaiter(threading.Thread):
             while not self.stopping.is_set():
                 self.step()
         except Exception as err:  # deliberately broad: never hurt the training
-            self._emit([Finding(None, "gpu event waiter", Verdict.UNKNOWN, _describe(err))])
+            self._emit([Finding(None, "gpu event waiter", Verdict.UNKNOWN, describe(err))])
         finally:
             self.shut()
 
@@ -206,14 +180,14 @@ class NvmlEventWaiter(threading.Thread):
         # Deliberately broad, as the device sources' load_library: a binding fails at import
         # in any way, and none of it says the GPU is bad.
         except (Exception, SystemExit) as err:
-            self._emit([Finding(None, "NVML", Verdict.UNKNOWN, f"NVML unusable: {_describe(err)}")])
+            self._emit([Finding(None, "NVML", Verdict.UNKNOWN, f"NVML unusable: {describe(err)}")])
             return False
         self._nvml = nvml
         findings: list[Finding] = []
         try:
             count = int(nvml.nvmlDeviceGetCount())
         except Exception as err:
-            self._emit([Finding(None, "NVML", Verdict.UNKNOWN, f"cannot count the GPUs: {_describe(err)}")])
+            self._emit([Finding(None, "NVML", Verdict.UNKNOWN, f"cannot count the GPUs: {describe(err)}")])
             return False
         for index in range(count):
             try:
@@ -222,7 +196,7 @@ class NvmlEventWaiter(threading.Thread):
                 if _code(err) == _GPU_IS_LOST:
                     findings += judge_reading(GpuReading(index, lost=True), None)
                 else:
-                    findings.append(Finding(index, "read handle", Verdict.UNKNOWN, _describe(err)))
+                    findings.append(Finding(index, "read handle", Verdict.UNKNOWN, describe(err)))
         findings += self._register(nvml)
         self._emit(findings)
         return True
@@ -234,7 +208,7 @@ class NvmlEventWaiter(threading.Thread):
             self._event_set = nvml.nvmlEventSetCreate()
         except Exception as err:
             self._event_set = None
-            return [Finding(None, "NVML events", Verdict.UNKNOWN, f"polling only: {_describe(err)}")]
+            return [Finding(None, "NVML events", Verdict.UNKNOWN, f"polling only: {describe(err)}")]
         wanted = 0
         for bit in NVML_EVENTS:
             wanted |= bit
@@ -246,7 +220,7 @@ class NvmlEventWaiter(threading.Thread):
                     nvml.nvmlDeviceRegisterEvents(handle, wanted & supported, self._event_set)
             except Exception as err:
                 if _code(err) != _NOT_SUPPORTED:
-                    out.append(Finding(index, "register events", Verdict.UNKNOWN, _describe(err)))
+                    out.append(Finding(index, "register events", Verdict.UNKNOWN, describe(err)))
         return out
 
     def step(self) -> None:
@@ -268,13 +242,13 @@ class NvmlEventWaiter(threading.Thread):
         except Exception as err:
             if _code(err) == _TIMEOUT:
                 return False
-            findings.append(Finding(None, "wait for events", Verdict.UNKNOWN, _describe(err)))
+            findings.append(Finding(None, "wait for events", Verdict.UNKNOWN, describe(err)))
             self.stopping.wait(self.wait_ms / 1000)  # a wait that fails at once must not spin
             return False
         try:
             event_type, event_data = int(data.eventType), int(data.eventData)
         except Exception as err:
-            findings.append(Finding(None, "event data", Verdict.UNKNOWN, _describe(err)))
+            findings.append(Finding(None, "event data", Verdict.UNKNOWN, describe(err)))
             return True
         findings += judge_event(self._index_of(data), event_type, event_data)
         return True
@@ -307,7 +281,7 @@ class NvmlEventWaiter(threading.Thread):
                 nvml.nvmlEventSetFree(self._event_set)
             nvml.nvmlShutdown()
         except Exception as err:
-            logger.debug("NVML shutdown: %s", _describe(err))
+            logger.debug("NVML shutdown: %s", describe(err))
 
     def _emit(self, findings: Sequence[Finding]) -> None:
         new = []

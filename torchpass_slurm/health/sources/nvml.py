@@ -26,7 +26,7 @@ from torchpass_slurm.health.sources import library_error, load_library
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NvmlSource"]
+__all__ = ["NvmlSource", "NvmlQueries", "describe"]
 
 T = TypeVar("T")
 
@@ -43,12 +43,14 @@ def describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-class _Queries:
-    """Runs NVML calls for one GPU, sorting failures into lost / not supported / failed."""
+class NvmlQueries:
+    """Runs NVML calls for one GPU, sorting failures into lost / not supported / failed.
 
-    def __init__(self, nvml: ModuleType, error: type[Exception]) -> None:
-        self.nvml = nvml
-        #: pynvml's NVMLError: every failed NVML call raises a subclass of it
+    ``error`` is what a failed call raises: pynvml's NVMLError here; the event waiter inside
+    the training (``health/gpu_events.py``) passes ``Exception``, so that a broken binding's
+    odd error is a failed read, never the training's."""
+
+    def __init__(self, error: type[Exception]) -> None:
         self.error = error
         self.lost = False
         self.errors: dict[str, str] = {}
@@ -106,7 +108,7 @@ class NvmlSource:
                 logger.debug("nvmlShutdown: %s", describe(err))
 
     def _gpu(self, nvml: ModuleType, error: type[Exception], index: int) -> GpuFacts:
-        q = _Queries(nvml, error)
+        q = NvmlQueries(error)
         handle = q("handle", nvml.nvmlDeviceGetHandleByIndex, index)
         if handle is None:
             return GpuFacts(
@@ -137,7 +139,7 @@ def _const(nvml: ModuleType, name: str, default: int) -> int:
     return int(getattr(nvml, name, default))
 
 
-def _thermal(q: _Queries, nvml: ModuleType, h: Any) -> dict[str, Any]:
+def _thermal(q: NvmlQueries, nvml: ModuleType, h: Any) -> dict[str, Any]:
     threshold = nvml.nvmlDeviceGetTemperatureThreshold
     return dict(
         temperature_c=q(
@@ -148,7 +150,7 @@ def _thermal(q: _Queries, nvml: ModuleType, h: Any) -> dict[str, Any]:
     )
 
 
-def _memory(q: _Queries, nvml: ModuleType, h: Any) -> dict[str, Any]:
+def _memory(q: NvmlQueries, nvml: ModuleType, h: Any) -> dict[str, Any]:
     total = nvml.nvmlDeviceGetTotalEccErrors
     corrected = _const(nvml, "NVML_MEMORY_ERROR_TYPE_CORRECTED", 0)
     uncorrected = _const(nvml, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1)
@@ -169,7 +171,7 @@ def _memory(q: _Queries, nvml: ModuleType, h: Any) -> dict[str, Any]:
     )
 
 
-def _throttle(q: _Queries, nvml: ModuleType, h: Any) -> tuple[str, ...] | None:
+def _throttle(q: NvmlQueries, nvml: ModuleType, h: Any) -> tuple[str, ...] | None:
     fn = (
         getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
         or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
@@ -180,7 +182,7 @@ def _throttle(q: _Queries, nvml: ModuleType, h: Any) -> tuple[str, ...] | None:
     return tuple(name for bit, name in THROTTLE_REASONS.items() if int(mask) & bit)
 
 
-def _pcie(q: _Queries, nvml: ModuleType, h: Any) -> dict[str, Any]:
+def _pcie(q: NvmlQueries, nvml: ModuleType, h: Any) -> dict[str, Any]:
     return dict(
         pcie_gen=q("pcie_gen", nvml.nvmlDeviceGetCurrPcieLinkGeneration, h),
         pcie_gen_max=q("pcie_gen", nvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
@@ -189,7 +191,7 @@ def _pcie(q: _Queries, nvml: ModuleType, h: Any) -> dict[str, Any]:
     )
 
 
-def _nvlink(q: _Queries, nvml: ModuleType, h: Any) -> tuple[NvlinkCounter, ...] | None:
+def _nvlink(q: NvmlQueries, nvml: ModuleType, h: Any) -> tuple[NvlinkCounter, ...] | None:
     """Error counters of every active link; None when the GPU has no NVLink."""
     counters: list[NvlinkCounter] = []
     any_link = False
