@@ -130,15 +130,6 @@ class StoreServer:
         )
         self._sock, self._gate, self.port = self._router.sock, self._router.gate, self._router.port
 
-    @property
-    def refused_connections(self) -> RefusalLog:
-        """Connections the gate refused or shed (wrong key, failed handshake, over budget), by cause."""
-        return self._gate.refusals
-
-    @property
-    def connections(self) -> int:
-        return self._gate.connections
-
     def serve(self, stop: threading.Event) -> None:
         """Answer requests until ``stop`` is set (checked at least every 100 ms)."""
         while not stop.is_set():
