@@ -119,7 +119,8 @@ class TransferDone(ReportFields):
     retries: int | None = None
     resumed_from: int | None = None
     sealed: bool | None = None
-    #: a sharded receiver: how its shards came (``group``, or ``socket`` from a leaving rank)
+    #: how the state came: ``group`` (the new epoch's group), ``socket`` (a leaving rank's, or
+    #: the socket route), ``mpi`` (TORCHPASS_TRANSPORT=mpi; ``rank/routes.py``)
     via: str | None = None
 
 
