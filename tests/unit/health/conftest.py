@@ -17,9 +17,18 @@ from torchpass_slurm.cli.app import run_cli
 from torchpass_slurm.cli.main import cli
 from torchpass_slurm.health.config import HealthConfig
 from torchpass_slurm.health.facts import DiskFacts, Facts, GpuFacts, HostFacts
+from torchpass_slurm.health.gpu_signals import Verdict
 from torchpass_slurm.slurm import Node
 
 NOW = 1_741_064_767.0
+#: The GPU signal verdicts by short names, for the tables of the GPU tests.
+MOVE, PLAN, APP, NONE, UNKNOWN = (
+    Verdict.MOVE_NOW,
+    Verdict.PLAN_MOVE,
+    Verdict.APP_FAULT,
+    Verdict.NONE,
+    Verdict.UNKNOWN,
+)
 
 
 def gpu(index: int = 0, **changes: Any) -> GpuFacts:

@@ -16,15 +16,8 @@ from torchpass_slurm.health.gpu_signals import Finding, Verdict
 from torchpass_slurm.rank.health_agent import HealthAgent
 
 from . import fake_nvml
+from .conftest import APP, MOVE, NONE, PLAN, UNKNOWN
 from .fake_nvml import FakeNvml
-
-MOVE, PLAN, APP, NONE, UNKNOWN = (
-    Verdict.MOVE_NOW,
-    Verdict.PLAN_MOVE,
-    Verdict.APP_FAULT,
-    Verdict.NONE,
-    Verdict.UNKNOWN,
-)
 
 #: the event types the waiter registers for: critical XID, DBE, SBE storm, DRAM retirement event and
 #: failure, non-fatal and fatal poison, GPU unavailable, recovery action (not SBE, PState, Clock, ...)

@@ -24,15 +24,7 @@ from torchpass_slurm.health.gpu_signals import (
     worst,
 )
 
-from .conftest import gpu
-
-MOVE, PLAN, APP, NONE, UNKNOWN = (
-    Verdict.MOVE_NOW,
-    Verdict.PLAN_MOVE,
-    Verdict.APP_FAULT,
-    Verdict.NONE,
-    Verdict.UNKNOWN,
-)
+from .conftest import APP, MOVE, NONE, PLAN, UNKNOWN, gpu
 
 #: The issue's table, written out here (not read from RULES, so a changed row fails).
 XIDS = {

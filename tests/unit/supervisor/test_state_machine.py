@@ -46,17 +46,20 @@ def test_the_table_reaches_every_state_and_an_ended_job_never_moves() -> None:
         )
 
 
+def assigned(node: ast.AST) -> list[ast.expr]:
+    """The targets ``node`` assigns, a tuple's elements one by one (none for other nodes)."""
+    if isinstance(node, ast.Assign):
+        return [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        return [node.target]
+    return []
+
+
 def run_state_writes(tree: ast.Module) -> list[int]:
     """Lines that assign ``<something>.job.state`` or ``job.state`` (alone or in a tuple)."""
     found = []
     for node in ast.walk(tree):
-        targets: list[ast.expr] = []
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                targets.extend(target.elts if isinstance(target, ast.Tuple) else [target])
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            targets.append(node.target)
-        for target in targets:
+        for target in assigned(node):
             if not (isinstance(target, ast.Attribute) and target.attr == "state"):
                 continue
             owner = target.value
@@ -115,15 +118,8 @@ def record_writes(tree: ast.Module) -> list[int]:
     """Lines that assign into the job's record, or change one of its collections in place."""
     found = []
     for node in ast.walk(tree):
-        written: list[ast.expr] = []
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                written.extend(target.elts if isinstance(target, ast.Tuple) else [target])
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            written.append(node.target)
-        elif (
-            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
-        ):
+        written = assigned(node)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
             written.append(node.func.value)
         found.extend(t.lineno for t in written if writes_the_record(chain(t)))
     return sorted(set(found))
