@@ -19,7 +19,6 @@ in :func:`~torchpass_slurm.supervisor.plan.plan_recovery`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import socket
 import time
@@ -340,8 +339,7 @@ class Supervisor:
             return
         self._next_status = now + STATUS_INTERVAL_S
         try:
-            status = job_status(self.job, self.run_dir, self.clock.time())
-            write_status(self.run_dir, dataclasses.replace(status, transport=self.transport))
+            write_status(self.run_dir, job_status(self.job, self.run_dir, self.clock.time(), self.transport))
         except OSError as err:
             logger.warning("could not write status.json: %s", err)
 

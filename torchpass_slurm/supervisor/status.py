@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 __all__ = ["job_status"]
 
 
-def job_status(job: JobState, run_dir: Path, now: float) -> JobStatus:
-    """The snapshot of ``job`` at unix time ``now``."""
+def job_status(job: JobState, run_dir: Path, now: float, transport: str = "auto") -> JobStatus:
+    """The snapshot of ``job`` at unix time ``now``; ``transport``: what carries its live
+    migrations' state (TORCHPASS_TRANSPORT)."""
     m = job.membership
     nodes = []
     for node, step in job.steps.items():
@@ -50,4 +51,5 @@ def job_status(job: JobState, run_dir: Path, now: float) -> JobStatus:
         message=job.message,
         holding=tuple(job.holding.nodes) if job.holding else (),
         holding_until=job.holding.since + job.holding.wait_s if job.holding else None,
+        transport=transport,
     )
