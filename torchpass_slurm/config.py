@@ -68,18 +68,14 @@ RECOVERY_MODES = ("live", "restart")
 #: (``rank/routes.py``, docs/design/transfer.md): ``auto`` (today's: a replica donor over the
 #: epoch's torch.distributed group, a rank leaving by a drain over a TCP socket), ``torch``
 #: (the same), ``socket`` (every donor over a sealed TCP socket) or ``mpi`` (every replica
-#: donor over MPITransport, MPICH connect/accept; tp run then launches each step with
-#: ``srun --mpi=TORCHPASS_MPI_PLUGIN``). A failed socket or MPI route falls back to the group.
+#: donor over MPICH connect/accept, run by an MPI helper process of each end, launched on its
+#: own node: the steps need no Slurm MPI plugin). A failed socket or MPI route falls back to
+#: the group.
 #: Precedence: tp-submit --transport > this variable > the site file's ``[transfer] transport``
 #: > ``auto``; tp-submit exports the result, so the supervisor and every rank read the same.
 ENV_TRANSPORT = "TORCHPASS_TRANSPORT"
 TRANSPORTS = ("auto", "socket", "torch", "mpi")
 DEFAULT_TRANSPORT = "auto"
-#: Slurm's MPI plugin for the steps of a job whose transport is ``mpi`` (``srun --mpi=``):
-#: ``pmi2`` for the MPICH wheel (measured: connect/accept across steps works); Open MPI under
-#: ``pmix`` cannot connect steps (docs/design/transfer.md).
-ENV_MPI_PLUGIN = "TORCHPASS_MPI_PLUGIN"
-DEFAULT_MPI_PLUGIN = "pmi2"
 
 
 def check_transport(value: str, origin: str) -> str:
@@ -102,18 +98,6 @@ def transport_from_env(environ: Mapping[str, str] | None = None) -> str:
     if raw is None or raw.strip() == "":
         return DEFAULT_TRANSPORT
     return check_transport(raw, f"{ENV_TRANSPORT}={raw!r}")
-
-
-def mpi_plugin_from_env(environ: Mapping[str, str] | None = None) -> str:
-    """Slurm's MPI plugin for the steps of an ``mpi`` job (``TORCHPASS_MPI_PLUGIN``, else pmi2)."""
-    env = os.environ if environ is None else environ
-    raw = (env.get(ENV_MPI_PLUGIN) or DEFAULT_MPI_PLUGIN).strip()
-    if not raw.replace("_", "").replace("-", "").isalnum():
-        raise ConfigError(
-            f"{ENV_MPI_PLUGIN}={raw!r} is not the name of a Slurm MPI plugin",
-            hint="e.g. pmi2 (MPICH) or pmix; `srun --mpi=list` shows the cluster's plugins",
-        )
-    return raw
 
 
 #: Timeout of one Slurm command: TORCHPASS_SLURM_TIMEOUT, read by slurm/runner.py.

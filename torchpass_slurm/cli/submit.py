@@ -83,8 +83,8 @@ tp-submit's options:
                       rank 0, which cannot be replaced)
   --transport T       what carries a live migration's state: auto (a replica
                       over the training's torch group, a leaving rank over a
-                      socket), torch, socket or mpi (MPICH connect/accept,
-                      steps under srun --mpi=pmi2); default: TORCHPASS_TRANSPORT,
+                      socket), torch, socket or mpi (MPICH connect/accept
+                      in a helper process of each end); default: TORCHPASS_TRANSPORT,
                       else the site's [transfer] transport, else auto
   --run-dir DIR       the job's folder on the shared file system (secret,
                       events, checkpoints, output); default:

@@ -69,7 +69,6 @@ def build_supervisor(
     store = StoreHost.start(address, secret_file, STORE_MAX_WAIT)
     env[cfg.ENV_STORE] = f"{address}:{store.port}"
     config = cfg.SupervisorConfig.from_env()
-    mpi = mpi_step_args(os.environ)
     launcher = StepLauncher(
         slurm,
         job_id=training_job_id,
@@ -77,7 +76,7 @@ def build_supervisor(
         control_endpoint=server.endpoint,
         base_env=env,
         heartbeat_per_node_from=config.heartbeat_per_node_from,
-        step_args=(*step_args, *mpi),
+        step_args=step_args,
     )
     events = EventLog(run_dir / EVENTS_FILE, job=str(job_id), epoch=membership.epoch)
     logger.info(
@@ -108,14 +107,6 @@ def build_supervisor(
     )
     supervisor.keepalive = store  # the store lives as long as the supervisor
     return supervisor
-
-
-def mpi_step_args(environ: Mapping[str, str]) -> tuple[str, ...]:
-    """``--mpi=PLUGIN`` for every step of a job whose transport is ``mpi``: its ranks' MPI (the
-    MPICH wheel) meets through Slurm's PMI (config.ENV_MPI_PLUGIN); nothing for another transport."""
-    if cfg.transport_from_env(environ) != "mpi":
-        return ()
-    return (f"--mpi={cfg.mpi_plugin_from_env(environ)}",)
 
 
 def training_component(job_id: int, environ: Mapping[str, str]) -> tuple[int, tuple[str, ...]]:

@@ -110,27 +110,9 @@ def test_tp_submit_takes_the_site_default(
     assert bad.code == 2 and "unknown transport 'tcp'" in bad.err
 
 
-def test_the_mpi_plugin_setting() -> None:
-    assert cfg.mpi_plugin_from_env({}) == "pmi2"
-    assert cfg.mpi_plugin_from_env({"TORCHPASS_MPI_PLUGIN": "pmix_v5"}) == "pmix_v5"
-    with pytest.raises(ConfigError, match="not the name of a Slurm MPI plugin"):
-        cfg.mpi_plugin_from_env({"TORCHPASS_MPI_PLUGIN": "pmi2 --x"})
-
-
 def test_tp_status_names_a_transport_other_than_auto() -> None:
     now = time.time()
     status = JobStatus(job_id="7", run_dir="/r", state="running", epoch=1, world_size=2, updated=now)
     assert "transport" not in header_line(status, now)
     mpi = JobStatus.from_json(JobStatus(**{**status.__dict__, "transport": "mpi"}).to_json())
     assert "restarts 0  transport mpi  status " in header_line(mpi, now)
-
-
-def test_the_steps_of_an_mpi_job_run_under_slurms_pmi() -> None:
-    from torchpass_slurm.slurm.steps import StepRequest, srun_argv
-    from torchpass_slurm.supervisor.assemble import mpi_step_args
-
-    assert mpi_step_args({}) == mpi_step_args({"TORCHPASS_TRANSPORT": "socket"}) == ()
-    assert mpi_step_args({"TORCHPASS_TRANSPORT": "mpi"}) == ("--mpi=pmi2",)
-    args = mpi_step_args({"TORCHPASS_TRANSPORT": "mpi", "TORCHPASS_MPI_PLUGIN": "pmix"})
-    argv = srun_argv(StepRequest(("python", "t.py"), "c1", extra_args=("--kill-on-bad-exit=0", *args)))
-    assert argv[-3:] == ["--mpi=pmix", "python", "t.py"]
