@@ -1,4 +1,5 @@
-"""benchmarks/experiments/control_scale.py: the pieces with logic (no sockets, no processes)."""
+"""benchmarks/experiments/control_scale*.py: the simulated job's messages, the faults' plan and
+verdicts, the tables, and one tiny row of the real loop (4 nodes x 8 ranks, a few seconds)."""
 
 from __future__ import annotations
 
@@ -7,126 +8,172 @@ import time
 import pytest
 
 from benchmarks.experiments import control_scale as cs
+from benchmarks.experiments import control_scale_world as world
+from benchmarks.experiments.control_scale_world import FaultKind, Injected, Row, Schedule
 from torchpass_slurm.control import messages
 from torchpass_slurm.control.kinds import Kind
+from torchpass_slurm.control.rank_bodies import Heartbeat, TaskBeat
+from torchpass_slurm.phase import Phase
 
 SECRET = b"s" * 32
+ORIGIN = 1000.0
 
 
-@pytest.mark.parametrize("aggregate", [False, True])
-def test_sign_makes_the_frames_encode_makes(aggregate: bool) -> None:
-    beat = cs.Beat("n00007/0", tuple(range(56, 64)) if aggregate else (56,), 0.0)
-    body = cs.heartbeat_body(beat, 12)
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        (Kind.HEARTBEAT, world.node_beat_body(56, ORIGIN + 3.1, ORIGIN, 0.25)),
+        (Kind.HEARTBEAT, world.standby_beat_body()),
+        (Kind.HELLO, {"node": "n00007", "rank": 56, "local_rank": 0, "role": "active", "pid": 9, "epoch": 0}),
+        (Kind.STANDBY, {"node": "n00007", "local_rank": 3, "pid": 9}),
+        (Kind.REPORT, {"event": "live_ready", "fields": {"rank": 59, "step": 0}}),
+    ],
+)
+def test_sign_makes_the_frames_encode_makes(kind: str, body: dict[str, object]) -> None:
     ts = time.time()
-    frames = cs.sign(SECRET, beat.sender, 1234567, ts, body)
-    assert frames == messages.encode(messages.Message(Kind.HEARTBEAT, beat.sender, 1234567, ts, body), SECRET)
-    decoded = messages.decode(frames, SECRET, allowed=messages.WORKER_KINDS)
-    assert decoded.body == body
+    frames = world.sign(SECRET, kind, "n00007/0", 1234567, ts, body)
+    assert frames == messages.encode(messages.Message(kind, "n00007/0", 1234567, ts, body), SECRET)
+    assert messages.decode(frames, SECRET, allowed=messages.WORKER_KINDS).body == body
 
 
-def test_beats_spread_over_the_interval_one_per_rank_or_one_per_node() -> None:
-    per_rank = cs.beats_of(cs.Scenario("r", nodes=2))
-    assert [b.sender for b in per_rank[:3]] == ["n00000/0", "n00000/1", "n00000/2"]
-    assert per_rank[9].sender == "n00001/1" and per_rank[9].ranks == (9,)
-    assert [b.phase for b in per_rank] == [i / 16 for i in range(16)]
-    per_node = cs.beats_of(cs.Scenario("n", nodes=2, aggregate=True))
-    assert [(b.sender, b.ranks) for b in per_node] == [
-        ("n00000/0", tuple(range(8))),
-        ("n00001/0", tuple(range(8, 16))),
-    ]
-    body = cs.heartbeat_body(per_node[1], 5)
-    assert body == {
-        "rank": 8,
-        "step": 5,
-        "state": "running",
-        "tasks": [[k, 8 + k, 5, "running", round(250 * k / 8)] for k in range(1, 8)],
-    }
+def test_a_node_beat_is_what_local_rank_0_builds_with_each_rank_at_its_own_phase() -> None:
+    t = ORIGIN + 3.1  # step 6, 0.1 s into it: computing
+    body = world.node_beat_body(8, t, ORIGIN, 0.25)
+    tasks = tuple(TaskBeat(*entry) for entry in body["tasks"])
+    assert body == Heartbeat(rank=8, step=6, state=Phase.COMPUTE, tasks=tasks).to_body()
+    assert [task.local_rank for task in tasks] == list(range(1, 8))
+    assert [task.rank for task in tasks] == list(range(9, 16))
+    # local rank k beats k/8 of an interval after local rank 0: its last beat is that old, or
+    # an interval older once its turn is still to come
+    assert [task.age_ms for task in tasks] == [68, 37, 6, 225, 193, 162, 131]
+    assert all(task.alive for task in tasks)
 
 
-def test_the_victim_is_local_rank_3_of_the_middle_node_or_that_node() -> None:
-    assert (
-        cs.beats_of(cs.Scenario("r", nodes=4))[cs.victim_of(cs.Scenario("r", nodes=4))].sender == "n00002/3"
-    )
-    node = cs.Scenario("n", nodes=4, aggregate=True)
-    assert cs.beats_of(node)[cs.victim_of(node)].sender == "n00002/0"
+@pytest.mark.parametrize(("kind", "alive"), [(FaultKind.RANK_DIED, False), (FaultKind.RANK_HUNG, True)])
+def test_a_stopped_rank_keeps_its_last_entry_older_every_beat(kind: FaultKind, alive: bool) -> None:
+    fault = Injected(kind, node=1, at=ORIGIN + 2.0, local=3)
+    before = world.node_beat_body(8, ORIGIN + 1.9, ORIGIN, 0.25, fault)["tasks"][2]
+    assert before[-1] is True
+    last = world.last_local_beat(fault.at, ORIGIN, 3, 0.25)
+    for t in (ORIGIN + 2.2, ORIGIN + 4.0):
+        entry = world.node_beat_body(8, t, ORIGIN, 0.25, fault)["tasks"][2]
+        assert entry == [
+            3,
+            11,
+            world.step_at(last, ORIGIN),
+            world.phase_at(last, ORIGIN),
+            int((t - last) * 1000),
+            alive,
+        ]
 
 
-def books(nodes: int) -> dict[str, cs.NodeBeats]:
-    return {cs.node_name(n): cs.NodeBeats(cs.RANKS_PER_NODE) for n in range(nodes)}
+def test_the_simulated_training_steps_every_half_second_computing_then_syncing() -> None:
+    assert [world.step_at(ORIGIN + t, ORIGIN) for t in (0.0, 0.49, 0.5, 2.7)] == [0, 0, 1, 5]
+    assert world.phase_at(ORIGIN + 0.1, ORIGIN) == Phase.COMPUTE
+    assert world.phase_at(ORIGIN + 0.2, ORIGIN) == Phase.SYNC
 
 
-def test_a_node_is_silent_only_once_every_task_was_heard_and_one_went_quiet() -> None:
-    steps = books(2)
-    for local in range(7):
-        cs.on_message(steps, f"n00000/{local}", {"rank": local, "step": 3}, 10.0)
-    assert cs.silent_nodes(steps, 20.0, 1.0) == []  # one task never heard: not judged yet (as WorkerStep)
-    cs.on_message(steps, "n00000/7", {"rank": 7, "step": 4}, 10.5)
-    assert steps["n00000"].last_step == 4
-    assert cs.silent_nodes(steps, 11.0, 1.0) == []
-    assert cs.silent_nodes(steps, 11.01, 1.0) == ["n00000"]  # the stalest task decides
-    cs.on_message(steps, "n09999/0", {"rank": 0, "step": 1}, 11.0)  # not a node of the job: ignored
-    assert set(steps) == {"n00000", "n00001"}
+def test_each_fault_strikes_its_own_node_the_ended_step_first() -> None:
+    faults = world.fault_plan(Row("r", nodes=10), begin=50.0)
+    assert sorted(f.at for f in faults)[0] == 50.0
+    assert next(f for f in faults if f.at == 50.0).kind == FaultKind.AGENT_STEP_ENDED
+    assert len({f.node for f in faults}) == len(faults) == len(FaultKind)
+    schedule = Schedule(0.0, 10.0, 50.0, faults)
+    assert schedule.fault_of(faults[0].node) == faults[0]
+    assert schedule.over == 50.0 + 6.0 + 7.0  # the dead agent, last, has heartbeat_timeout and slack
+    assert Schedule(0.0, 10.0, 50.0).over == 50.0
+    small = world.fault_plan(Row("r", nodes=2, faults=(FaultKind.NODE_STOPPED, FaultKind.RANK_DIED)), 0.0)
+    assert {f.node for f in small} == {0, 1}
 
 
-def test_an_aggregated_beat_counts_for_every_rank_it_lists_as_the_supervisor_does() -> None:
-    steps = books(2)
-    beat = cs.beats_of(cs.Scenario("n", nodes=2, aggregate=True))[1]
-    cs.on_message(steps, beat.sender, cs.heartbeat_body(beat, 9), 5.0)
-    node = steps["n00001"]
-    assert node.heartbeats == {f"n00001/{k}": 5.0 - cs.relayed_age_ms(k) / 1000 for k in range(8)}
-    assert node.silent_for(5.5) == pytest.approx(0.5 + 0.219)  # local 7's beat was 219 ms old
-    assert node.last_step == 9 and node.phases["n00001/3"] == (9, "running")
-    assert steps["n00000"].silent_for(5.5) is None
-    cs.on_message(steps, beat.sender, cs.heartbeat_body(beat, 10), 4.0)  # older news: not taken
-    assert node.heartbeats["n00001/7"] == pytest.approx(4.781) and node.phases["n00001/7"] == (9, "running")
+def test_a_row_counts_its_heartbeat_senders() -> None:
+    row = Row("r", nodes=2048, spares=16)
+    assert (row.ranks, row.senders, row.offered_rate) == (16384, 2048 + 128, 8704.0)
+    assert Row("r", nodes=256, per_node=False).offered_rate == 8192.0
+    assert cs.generator_count(row) == 2 and cs.generator_count(Row("r", nodes=9000)) == 3
 
 
-def test_detection_is_the_victims_first_silence_after_its_last_beat() -> None:
-    went_silent = [("n1", 9.0), ("n2", 10.2), ("n2", 11.3), ("n3", 12.5), ("n4", 30.0)]
-    found, false = cs.detection(went_silent, "n2", 10.3, window_end=20.0)
-    assert found == pytest.approx(1.0)
-    assert false == 3  # n1, n2 before it stopped, n3; n4 went silent after the window
-    assert cs.detection([], "n2", 10.3, 20.0) == (None, 0)
-
-
-def test_percentile_and_the_rates_of_a_scenario() -> None:
-    assert cs.percentile([], 0.5) is None
-    assert cs.percentile([3.0, 1.0, 2.0], 0.5) == 2.0
-    assert cs.percentile([float(i) for i in range(101)], 0.99) == 99.0
-    s = cs.Scenario("x", nodes=2048)
-    assert (s.ranks, s.senders, s.offered_rate) == (16384, 16384, 65536.0)
-    agg = cs.Scenario("x", nodes=2048, aggregate=True)
-    assert (agg.senders, agg.offered_rate) == (2048, 8192.0)
-    assert cs.generator_count(s) == 2 and cs.generator_count(cs.Scenario("x", nodes=4096)) == 4
-    assert cs.ramp_interval(s) == pytest.approx(2.048) and cs.ramp_interval(agg) == pytest.approx(0.256)
-
-
-def row(name: str, rate: float, cpu: float, main: float, check: float, **extra: object) -> dict[str, object]:
-    scenario = {"name": name, "aggregate": False, "victim": True}
+def detection(node: str, at: float, detector: str = "heartbeat_lost") -> dict[str, object]:
     return {
-        "scenario": scenario,
-        "offered_rate": 8192.0,
-        "rate": rate,
-        "cpu_share": cpu,
-        "main_thread_share": main,
-        "check_share": check,
-        "cpu_us_per_msg": cpu / rate * 1e6,
-        "latency_ms": {"p50": 0.4, "p99": 12.0, "max": 30.0},
-        "detection_s": 1.02,
-        "false_silences": 0,
-        **extra,
+        "at": at,
+        "action": "restart",
+        "faults": [{"node": node, "detector": detector, "evidence": "probe", "detail": "silent"}],
     }
 
 
-def test_the_tables_show_shares_and_split_a_message_cost() -> None:
-    r = row("per-rank, 2,048 ranks", 8000.0, 0.40, 0.32, 0.08)
-    text = cs.table([r])
-    assert text.splitlines()[2] == (
-        "| per-rank, 2,048 ranks | 8,192 | 8,000 | 40% | 32% | 8% | 50.0 | 0.4 / 12 | 1.02 | 0 |"
+def test_a_fault_is_found_by_the_first_detection_on_its_node_after_it_struck() -> None:
+    fault = Injected(FaultKind.NODE_STOPPED, node=2, at=20.0)
+    schedule = Schedule(0.0, 10.0, 19.0, (fault,))
+    found = cs.detected([detection("n00002", 19.5), detection("n00002", 21.6)])
+    row = cs.fault_row(fault, found, schedule, 0.25, sent=19.9)
+    assert (row["found_s"], row["after_last_beat_s"], row["struck_s"]) == (1.6, 1.7, 10.0)
+    assert (row["detector"], row["evidence"], row["plan"]) == ("heartbeat_lost", "probe", "restart")
+    assert cs.fault_row(fault, [], schedule, 0.25, sent=19.9)["found_s"] is None
+    rank = Injected(FaultKind.RANK_DIED, node=2, at=20.0, local=3)
+    last = world.last_local_beat(20.0, 0.0, 3, 0.25)
+    assert cs.fault_row(rank, found, schedule, 0.25, sent=None)["after_last_beat_s"] == round(21.6 - last, 3)
+
+
+def test_false_detections_are_faults_on_nodes_not_struck_or_before_they_were() -> None:
+    fault = Injected(FaultKind.NODE_STOPPED, node=2, at=20.0)
+    result = {"plans": [detection("n00001", 12.0), detection("n00002", 15.0), detection("n00002", 21.5)]}
+    result |= {"delays_s": [0.001, 0.002]}
+    gens = [
+        {"cpu_share": 0.1, "sent": 10, "refused": 0, "skipped": 0, "lateness_s": 0.01, "last_sent": {2: 19.9}}
+    ]
+    plan = cs.Plan(Row("r", nodes=4, faults=(FaultKind.NODE_STOPPED,)), 9.0)
+    row = cs.summarise(plan, {"up": True}, Schedule(0.0, 10.0, 19.0, (fault,)), result, gens)
+    assert row["false_detections"] == ["n00001", "n00002"]
+    assert row["faults"][0]["found_s"] == 1.5
+    assert row["delay_ms"] == {"p50": 1.0, "p99": 2.0, "max": 2.0}
+
+
+def test_the_tables_show_shares_detections_and_how_each_fault_was_found() -> None:
+    faults = [
+        {"kind": "stopped node", "found_s": 1.62, "after_last_beat_s": 1.8, "detector": "heartbeat_lost"}
+        | {"evidence": "probe", "plan": "restart"},
+        {"kind": "dead rank", "found_s": None},
+    ]
+    row = {
+        "row": {"name": "2,048 x 8"},
+        "offered_rate": 8704.0,
+        "rate": 8700.0,
+        "cpu_share": 0.412,
+        "main_thread_share": 0.35,
+        "cpu_us_per_msg": 47.4,
+        "delay_ms": {"p50": 0.4, "p99": 12.0},
+        "faults": faults,
+        "false_detections": [],
+    }
+    assert cs.table([row]).splitlines()[2] == (
+        "| 2,048 x 8 | 8,704 | 8,700 | 41.2% | 35.0% | 47.4 | 0.4 / 12 | 1.62 | missed | - | - | - | 0 |"
     )
-    costs = {"per-rank decode": 12.0, "per-rank bookkeeping": 0.5}
-    # per message: 50 us; I/O thread 10, main 40 = decode 12 + books 0.5 + check 10 + 17.5 rest
-    assert cs.split_table([r], costs).splitlines()[2] == (
-        "| per-rank, 2,048 ranks | 50.0 | 10.0 | 40.0 | 12.0 | 0.5 | 10.0 | 17.5 | 0.41 |"
-    )
-    assert cs.row_cells({"scenario": {"name": "x"}, "offered_rate": 1.0})[2] == "no window"
+    assert cs.fault_table([row]).splitlines()[2:] == [
+        "| 2,048 x 8 | stopped node | 1.62 | 1.80 | heartbeat_lost | probe | restart |",
+        "| 2,048 x 8 | dead rank | missed | - | - | - | - |",
+    ]
+    assert cs.row_cells({"row": {"name": "x"}, "offered_rate": 1.0})[2] == "no window"
+
+
+def test_the_rows_of_a_full_run_and_of_a_quick_one() -> None:
+    rows = cs.plans(2048, 30.0)
+    assert [(p.row.nodes, p.row.spares, p.row.per_node, p.window_s, p.profile) for p in rows] == [
+        (2048, 16, True, 30.0, False),
+        (256, 2, True, 20.0, False),
+        (256, 2, False, 20.0, False),
+        (2048, 16, True, 15.0, True),
+    ]
+    assert FaultKind.AGENT_DIED not in rows[2].row.faults and rows[3].row.faults == ()
+    assert [p.row.nodes for p in cs.plans(256, 20.0, quick=True)] == [256]
+
+
+def test_a_tiny_job_under_the_real_loop_finds_its_stopped_node_and_nothing_else() -> None:
+    """The whole machinery, so it cannot rot: processes, sockets, the real supervisor loop."""
+    row = cs.run_row(cs.Plan(Row("tiny", nodes=4, spares=1, faults=(FaultKind.NODE_STOPPED,)), 2.0))
+    assert row["up"]["up"], row["up"]
+    assert row["false_detections"] == []
+    (fault,) = row["faults"]
+    assert fault["found_s"] is not None, fault
+    assert (fault["detector"], fault["evidence"]) == ("heartbeat_lost", "probe")
+    assert 1.0 < fault["after_last_beat_s"] < 3.0
+    assert row["rate"] > 0 and row["rejected"] == 0 and row["generators"]["refused"] == 0
