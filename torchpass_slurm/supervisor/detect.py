@@ -401,7 +401,13 @@ def dead_rank(step: WorkerStep, now: float, config: SupervisorConfig) -> Fault |
 def stuck_rank(step: WorkerStep, now: float, config: SupervisorConfig) -> Fault | None:
     """A rank silent while its node beats and its process lives (per-node heartbeats), past
     ``heartbeat_timeout``, or ``teardown_timeout`` when its last word was a failed
-    collective: that rank is hung, not its node silent."""
+    collective: that rank is hung, not its node silent. Once the node's local rank 0 is
+    itself silent past ``silence_threshold`` its entries stopped with it: the node is judged
+    by its own silence (its ranks' entries, a fraction of an interval older than its last
+    beat, would otherwise blame one of them a moment before the node's timeout)."""
+    relay_silent = now - step.heartbeats.get(step.relay or "", now)
+    if relay_silent > config.silence_threshold:
+        return None
     for sender, silent, phase in step.stuck(now):
         recovering = sender in step.tearing
         bound = config.teardown_timeout if recovering else config.heartbeat_timeout
