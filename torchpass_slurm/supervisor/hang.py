@@ -100,10 +100,13 @@ class HangWatch:
         self.since = now
 
     def check(self, job: JobState, config: SupervisorConfig, clock: Clock) -> list[Fault]:
-        """The faults of a job without progress for its threshold, or []."""
+        """The faults of a job without progress for its threshold, or [].
+
+        It runs with every silence check (ten times a second); the ranks' views are built
+        only once a verdict is due (a job that progresses never needs them).
+        """
         now = clock.monotonic()
-        ranks = views(job, clock.time(), config.silence_threshold)
-        if not ranks or any(r.phase not in JUDGED for r in ranks):
+        if not judged(job):
             self.since = now
             return []
         limit = threshold(job.progress.step_seconds, config.hang_factor, config.hang_floor)
@@ -111,7 +114,7 @@ class HangWatch:
         if limit is None or last is None:
             return []
         quiet = now - max(last, self.since)
-        verdict = behind(ranks) if quiet > limit else None
+        verdict = behind(views(job, clock.time(), config.silence_threshold)) if quiet > limit else None
         if verdict is None:
             return []
         detector, blamed = verdict
@@ -125,6 +128,25 @@ class HangWatch:
                 detail = f"{r.sender} still computing after step {r.step} while its peers wait; {why}"
             faults.setdefault(r.node, Fault(r.node, detector, detail, evidence=Evidence.PROGRESS))
         return list(faults.values())
+
+
+def judged(job: JobState) -> bool:
+    """Whether the job is judged by its progress now: :func:`views` would give ranks, every
+    one of them in a phase of :data:`~torchpass_slurm.phase.JUDGED` (checked without building them)."""
+    heard = False
+    for node in job.membership.active:
+        step = job.steps.get(node)
+        if step is None or step.state != WorkerState.RUNNING or node in job.releasing:
+            return False
+        phases = step.phases
+        for sender in step.heartbeats:
+            if phases.get(sender, _NO_PHASE)[1] not in JUDGED:
+                return False
+            heard = True
+    return heard
+
+
+_NO_PHASE: tuple[int | None, str] = (None, "")
 
 
 def views(job: JobState, now: float, silence_threshold: float) -> list[RankView]:
