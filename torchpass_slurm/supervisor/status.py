@@ -23,16 +23,22 @@ def job_status(job: JobState, run_dir: Path, now: float, transport: str = "auto"
     """The snapshot of ``job`` at unix time ``now``; ``transport``: what carries its live
     migrations' state (TORCHPASS_TRANSPORT)."""
     m = job.membership
+    # the membership's roles and ranks by node, looked up once (not a scan of it per node:
+    # at 2,048 nodes that took a quarter of a second, once a second)
+    slots = {node: slot for slot, node in enumerate(m.active)}
+    roles = {**dict.fromkeys(m.failed, NodeRole.FAILED), **dict.fromkeys(m.spares, NodeRole.SPARE)}
+    roles.update(dict.fromkeys(m.active, NodeRole.ACTIVE))
+    k = m.ntasks_per_node
     nodes = []
     for node, step in job.steps.items():
-        role = m.role_of(node) if node in m.active + m.spares + m.failed else step.role
+        role = roles.get(node, step.role)
         if node in job.released or node in job.releasing:
             role = NodeRole.RELEASED
         nodes.append(
             NodeStatus(
                 node=node,
                 role=role,
-                ranks=tuple(m.ranks_of(node)) if role == NodeRole.ACTIVE else (),
+                ranks=tuple(range(slots[node] * k, slots[node] * k + k)) if role == NodeRole.ACTIVE else (),
                 state=step.state.value,
                 last_step=step.last_step,
                 last_heartbeat=step.last_heartbeat,
