@@ -212,6 +212,8 @@ class Detectors:
         for node, step in self._watched():
             silent, peers = step.lost_for(now), True
             if silent is None or silent <= threshold:
+                if not step.tearing:
+                    continue  # no task tearing its group down: it would count the same tasks
                 # silent only through tasks tearing their group down: alive a moment ago, and a
                 # peer's error names them because they shut their sockets first; only the probe
                 silent, peers = step.lost_for(now, tearing=True), False
@@ -408,6 +410,9 @@ def stuck_rank(step: WorkerStep, now: float, config: SupervisorConfig) -> Fault 
     relay_silent = now - step.heartbeats.get(step.relay or "", now)
     if relay_silent > config.silence_threshold:
         return None
+    bound = min(config.teardown_timeout, config.heartbeat_timeout)
+    if not step.heartbeats or now - min(step.heartbeats.values()) <= bound:
+        return None  # no task of the step is silent that long (the common case: not sorted)
     for sender, silent, phase in step.stuck(now):
         recovering = sender in step.tearing
         bound = config.teardown_timeout if recovering else config.heartbeat_timeout
