@@ -389,6 +389,7 @@ SLURM_COMMANDS = frozenset(
 #: The modules outside ``slurm/`` that start a process, and why.
 PROCESS_STARTERS = {
     f"{PACKAGE}.supervisor.store_host": "the job's rendezvous store, a Python child of tp run",
+    f"{PACKAGE}.transfer.mpi_process": "a transfer's MPI helper: MPICH's mpiexec -n 1 on the rank's node",
 }
 _STARTS_A_PROCESS = {
     "subprocess": {"run", "Popen", "call", "check_call", "check_output"},

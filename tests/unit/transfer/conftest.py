@@ -1,13 +1,16 @@
 """Fixtures for the transfer contract tests: one receiver-side ``link`` per transport.
 
 ``link.start(scenario, **options)`` starts a donor process and returns
-``(receiver transport, donor process)``. Socket and torch donors fork from a
-forkserver that preloaded torch (fast); MPI donors start with ``mpiexec -n 1``
-(MPICH singletons cannot Connect to each other) and only when mpi4py imports.
+``(receiver transport, donor process)``. Socket, torch and mpi-process
+(MPIProcessTransport: each end's MPI in a helper process of its own) donors fork
+from a forkserver that preloaded torch (fast); in-process MPI donors (MPITransport,
+what the benchmark's mpi rows use) start with ``mpiexec -n 1`` (MPICH singletons
+cannot Connect to each other) and only when mpi4py imports here.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import os
@@ -17,6 +20,7 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +32,7 @@ from tests.unit.transfer import peers  # noqa: E402
 from torchpass_slurm.transfer.mpi_transport import mpi_problem  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
-KINDS = ["socket", "torch", "mpi"]
+KINDS = ["socket", "torch", "mpi", "mpi-process"]
 
 
 def mpiexec() -> str | None:
@@ -107,6 +111,7 @@ class Link:
                 lambda: TorchTransport(1, peers.gloo_pair(self.store, prefix, 0, peers.TIMEOUT)),
             )
         from torchpass_slurm.transfer import MPITransport
+        from torchpass_slurm.transfer.mpi_process import MPIProcessTransport
 
         port_file = self.tmp / f"port-{uuid.uuid4().hex[:8]}"
 
@@ -114,9 +119,10 @@ class Link:
             (port_file.with_suffix(".tmp")).write_text(name)
             os.replace(port_file.with_suffix(".tmp"), port_file)
 
+        accept = MPIProcessTransport.accept if self.kind == "mpi-process" else MPITransport.accept
         return (
-            {"kind": "mpi", "port_file": str(port_file)},
-            lambda: MPITransport.accept(publish, peers.TIMEOUT),
+            {"kind": self.kind, "port_file": str(port_file)},
+            lambda: accept(publish, peers.TIMEOUT),
         )
 
     def cleanup(self) -> None:
@@ -124,8 +130,22 @@ class Link:
             donor.kill()
             donor.join(5)
         for transport in self.transports:
-            if transport.broken is None and self.kind != "mpi":
-                transport.close()
+            if self.kind == "mpi-process" or (transport.broken is None and self.kind != "mpi"):
+                transport.close()  # an mpi-process transport's close always stops its helper
+
+
+@functools.cache
+def helper_problem() -> str | None:
+    """Why an MPI helper cannot run here (no MPICH hydra, its MPI does not start), or None;
+    found by starting one (about 0.2 s)."""
+    from torchpass_slurm.errors import TransferError
+    from torchpass_slurm.transfer.mpi_process import MPIProcessTransport
+
+    try:
+        MPIProcessTransport.accept(lambda port: None, timedelta(seconds=10), lambda: "probe done")
+    except TransferError as exc:
+        return None if "probe done" in str(exc) else str(exc).splitlines()[0]
+    return "the probe's accept returned without a peer"
 
 
 @pytest.fixture(scope="session")
@@ -138,8 +158,6 @@ def forkserver() -> Any:
 @pytest.fixture(scope="session")
 def store() -> Any:
     """The rendezvous store, hosted by the test process (as the supervisor hosts it)."""
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     return dist.TCPStore(
@@ -156,6 +174,8 @@ def link(request: pytest.FixtureRequest, forkserver: Any, store: Any) -> Iterato
             problem = "mpiexec is not on PATH (MPI donors start with mpiexec -n 1)"
         if problem:
             pytest.skip(f"MPI transport not tested: {problem}")
+    if kind == "mpi-process" and (problem := helper_problem()):
+        pytest.skip(f"MPI helper not tested: {problem}")
     with tempfile.TemporaryDirectory() as tmp:
         link = Link(kind, forkserver, store, Path(tmp))
         try:

@@ -2,7 +2,8 @@
 
 The receiver is the pytest process; each donor is a child process (forked from
 a forkserver that preloaded torch, or ``mpiexec -n 1 python -m`` this module
-for MPI, whose singletons cannot connect to each other). A donor gets one JSON
+for the in-process MPITransport, whose singletons cannot connect to each other;
+an ``mpi-process`` donor is a forkserver child whose transport starts its own helper). A donor gets one JSON
 argument: how to reach the receiver (``link``) and what to do (``scenario``):
 
 - ``send``: send :func:`make_state` (options: chunk_bytes, corrupt_chunks);
@@ -116,13 +117,17 @@ def connect(link: dict[str, Any]) -> Transport:
 
         store = dist.TCPStore("127.0.0.1", link["port"], is_master=False, timeout=TIMEOUT)
         return TorchTransport(0, gloo_pair(store, link["prefix"], 1, TIMEOUT))
-    if link["kind"] == "mpi":
+    if link["kind"] in ("mpi", "mpi-process"):
         from torchpass_slurm.transfer import MPITransport
+        from torchpass_slurm.transfer.mpi_process import MPIProcessTransport
 
         while not os.path.exists(link["port_file"]):
             time.sleep(0.02)
         with open(link["port_file"]) as f:
-            return MPITransport.connect(f.read(), TIMEOUT)
+            port = f.read()
+        if link["kind"] == "mpi-process":
+            return MPIProcessTransport.connect(port, TIMEOUT)
+        return MPITransport.connect(port, TIMEOUT)
     raise ValueError(f"unknown link {link}")
 
 
@@ -130,11 +135,12 @@ def connect(link: dict[str, Any]) -> Transport:
 
 
 class DyingTransport(Transport):
-    """Forwards to ``inner``; SIGKILLs this process before chunk ``k``'s data is sent."""
+    """Forwards to ``inner``; SIGKILLs ``victim()`` (this process) before chunk ``k``'s data is sent."""
 
-    def __init__(self, inner: Transport, k: int) -> None:
+    def __init__(self, inner: Transport, k: int, victim: Any = os.getpid) -> None:
         super().__init__()
         self.inner, self.k, self.isends, self.handles = inner, k, 0, []
+        self.victim = victim
 
     def _send(self, buf: torch.Tensor, timeout: timedelta) -> None:
         self.inner.send(buf, timeout)
@@ -147,7 +153,7 @@ class DyingTransport(Transport):
             for handle in self.handles:
                 handle.wait(timeout)
             time.sleep(0.2)  # let the last bytes leave
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(self.victim(), signal.SIGKILL)
         self.isends += 1
         self.handles.append(self.inner.isend(buf, timeout))
         return self.handles[-1]
