@@ -4,24 +4,28 @@ The job's transport setting (``TORCHPASS_TRANSPORT``, config.py) picks the route
 donor; a rank leaving by a drain is outside the new group and always uses its socket
 (``rank/handover.py``)::
 
-    setting       replica donor -> receiver               fallback
-    auto, torch   the epoch's torch group (TorchTransport)   -
-    socket        a sealed TCP socket of the donor's own     the group
-    mpi           MPITransport: MPICH connect/accept         the group
+    setting       replica donor -> receiver                          fallback
+    auto, torch   the epoch's torch group (TorchTransport)              -
+    socket        a sealed TCP socket of the donor's own                the group
+    mpi           MPIProcessTransport: MPICH connect/accept, run by a   the group
+                  helper process of each end (transfer/mpi_process.py)
 
 A route of its own meets through the job's store, under this epoch's prefix: the donor
 publishes ``{"kind", "address", "tag"}`` at :data:`ROUTE_KEY` (an MPI port name, or
 ``host:port``; ``tag`` is the MAC of the address with the transfer's seal, so the receiver
 refuses an address an outsider wrote) or ``{"kind": "none", "why"}`` when it cannot open one
-(mpi4py missing, MPI failed to start). A receiver that cannot take the route writes its reason
-at ``ROUTE_KEY + "/refused"``; a donor waiting in ``Accept`` reads it and stops waiting.
+(no MPICH mpiexec.hydra, or the helper's MPI failed to start: the rank itself never imports
+mpi4py). A receiver that cannot take the route (its own helper failed, the route is not
+sealed) writes its reason at ``ROUTE_KEY + "/refused"``; a donor waiting in ``Accept`` reads
+it and stops waiting.
 
 Every failure of a route of its own falls back to the group, on both ends, and never hangs:
 
-- meeting: each end waits at most :data:`ROUTE_CONNECT_TIMEOUT` (MPI's blocking
-  ``Accept``/``Connect`` run on a helper thread that is abandoned at the deadline);
+- meeting: each end waits at most :data:`ROUTE_CONNECT_TIMEOUT`, its helper's start included
+  (a helper still in MPI's ``Accept``/``Connect`` at the deadline is killed);
 - moving: over MPI each wait of the stream may make no progress for at most
-  :data:`MPI_STALL_TIMEOUT` (MPICH does not report a dead peer: only a timeout does);
+  :data:`MPI_STALL_TIMEOUT`, which bounds a dead *remote* peer (MPICH does not report one:
+  only a timeout does); a dead *local* helper is an EOF on its socket, reported at once;
 - the fallback stream over the group resumes from the chunks already verified when the state
   is resumable (``ReceiveProgress``), and a donor that died fails the fallback at once, so the
   next epoch resumes from another donor, as with any failed transfer.
@@ -66,8 +70,9 @@ ROUTE_KEY = "torchpass/route/{donor}-{receiver}"
 #: for the donor's address and its connection; past it both fall back to the group.
 ROUTE_CONNECT_TIMEOUT = datetime.timedelta(seconds=30)
 #: Over MPI, how long one wait of the stream may make no progress before the transfer falls
-#: back: MPICH over UCX/TCP does not report a dead peer (docs/design/transfer.md), so this, not
-#: ``ROUTE_TRANSFER_TIMEOUT``, bounds what a dead donor costs its receiver.
+#: back: MPICH over UCX/TCP does not report a dead remote peer (docs/design/transfer.md), so
+#: this, not ``ROUTE_TRANSFER_TIMEOUT``, bounds what a dead donor costs its receiver. (A dead
+#: local helper is reported at once.)
 MPI_STALL_TIMEOUT = datetime.timedelta(seconds=15)
 #: One wait of a stream over the group or a socket (both report a dead peer at once), and of
 #: the fallback; the value of ``rank/handover.py``'s TRANSFER_TIMEOUT.
@@ -126,12 +131,13 @@ def _open_donor(kind: str, store: Any, key: str, seal: Seal, host: str) -> Trans
         with SocketListener(host, 0) as listener:
             _publish(store, key, kind, f"{host}:{listener.port}", seal)
             return listener.accept_sealed(seal, ROUTE_CONNECT_TIMEOUT)
-    from torchpass_slurm.transfer.mpi_transport import MPITransport, mpi_problem
+    from torchpass_slurm.transfer.mpi_process import MPIProcessTransport
 
-    problem = mpi_problem()
-    if problem is not None:
-        store.set(key, json.dumps({"kind": "none", "why": problem}))
-        raise TransferError(f"MPI cannot be used here: {problem}")
+    published: list[str] = []
+
+    def publish(port: str) -> None:
+        _publish(store, key, kind, port, seal)
+        published.append(port)
 
     def refused() -> str | None:
         if not store.check([f"{key}/refused"]):
@@ -139,9 +145,12 @@ def _open_donor(kind: str, store: Any, key: str, seal: Seal, host: str) -> Trans
         reason: bytes = store.get(f"{key}/refused")
         return "the receiver refused: " + reason.decode("utf-8", errors="replace")
 
-    return MPITransport.accept(
-        lambda port: _publish(store, key, kind, port, seal), ROUTE_CONNECT_TIMEOUT, cancelled=refused
-    )
+    try:
+        return MPIProcessTransport.accept(publish, ROUTE_CONNECT_TIMEOUT, cancelled=refused)
+    except TransferError as exc:
+        if not published:  # the receiver falls back at once instead of waiting for a port
+            store.set(key, json.dumps({"kind": "none", "why": str(exc).splitlines()[0][:500]}))
+        raise
 
 
 def _publish(store: Any, key: str, kind: str, address: str, seal: Seal) -> None:
@@ -195,12 +204,6 @@ def _open_receiver(kind: str, store: Any, key: str, seal: Seal) -> Transport:
 
 
 def _connect(kind: str, store: Any, key: str, seal: Seal) -> Transport:
-    if kind == "mpi":
-        from torchpass_slurm.transfer.mpi_transport import mpi_problem
-
-        problem = mpi_problem()
-        if problem is not None:
-            raise TransferError(f"MPI cannot be used here: {problem}")
     try:
         store.wait([key], ROUTE_CONNECT_TIMEOUT)
         doc = json.loads(store.get(key).decode("utf-8", errors="replace"))
@@ -221,6 +224,6 @@ def _connect(kind: str, store: Any, key: str, seal: Seal) -> Transport:
         if not port.isdigit():
             raise TransferError(f"the socket route at {key} is not host:port: {address!r}")
         return SocketTransport.connect_sealed(host, int(port), seal, ROUTE_CONNECT_TIMEOUT)
-    from torchpass_slurm.transfer.mpi_transport import MPITransport
+    from torchpass_slurm.transfer.mpi_process import MPIProcessTransport
 
-    return MPITransport.connect(address, ROUTE_CONNECT_TIMEOUT)
+    return MPIProcessTransport.connect(address, ROUTE_CONNECT_TIMEOUT)
