@@ -18,7 +18,12 @@ Measured per size (10 MB, 100 MB, 500 MB; 2 GB with --large):
   migration under tp run sends), against ``socket+stream`` in the same run;
 - ``torch+stream`` and ``torch+sealed``: TorchTransport on a gloo group + the stream;
 - ``gloo-raw``: one big tensor with gloo send/recv (the torch baseline);
-- ``mpi-raw`` and ``mpi+stream``: MPICH connect/accept, when mpi4py imports.
+- ``mpi-raw`` and ``mpi+stream``: MPICH connect/accept in the rank's own process
+  (MPITransport), when mpi4py imports;
+- ``mpi-helper+stream``: the product's MPI path (MPIProcessTransport: each rank's MPI runs in
+  a helper process under a local ``mpiexec -n 1``), when MPICH's mpiexec.hydra is found; its
+  start-up (launch to port published, to connected), which a recovery pays, is printed and
+  written under ``startup`` in the JSON.
 
 This is a script, not a test: numbers depend on the machine; never assert on them.
 """
@@ -191,6 +196,29 @@ def mpi_link(peer: Peer) -> Any:
     return MPITransport.connect(peer.share("mpi-port"), TIMEOUT)
 
 
+def mpi_helper_link(peer: Peer, startup: list[dict[str, float]]) -> Any:
+    """An MPIProcessTransport between the two ranks; appends its start-up times to ``startup``."""
+    from torchpass_slurm.transfer.mpi_process import MPIProcessTransport
+
+    key = f"mpi-helper-port{peer._n}"
+    began = time.perf_counter()
+    if peer.rank == 0:
+        published: list[float] = []
+
+        def publish(name: str) -> None:
+            published.append(time.perf_counter() - began)
+            peer.share(key, name)
+
+        transport = MPIProcessTransport.accept(publish, TIMEOUT)
+        startup.append({"port_published_s": published[0], "connected_s": time.perf_counter() - began})
+        return transport
+    port = peer.share(key)
+    began = time.perf_counter()
+    transport = MPIProcessTransport.connect(port, TIMEOUT)
+    startup.append({"connect_s": time.perf_counter() - began})
+    return transport
+
+
 def bench_mpi_raw(transport: Any, rank: int, nbytes: int) -> float | None:
     from mpi4py import MPI
 
@@ -228,18 +256,18 @@ def measure(
             "mb_per_s": round(size_mb / best, 1),
         }
         results.append(row)
-        print(f"{name:<14} {size_mb:>6} MB {best:>8.3f} s {size_mb / best:>8.0f} MB/s", flush=True)
+        print(f"{name:<18} {size_mb:>6} MB {best:>8.3f} s {size_mb / best:>8.0f} MB/s", flush=True)
 
 
 def measure_size(
     peer: Peer,
     size_mb: int,
     repeat: int,
-    links: tuple[Any, Any, Any],
+    links: tuple[Any, Any, Any, Any],
     results: list[dict[str, Any]],
 ) -> None:
     """Every method at one size; the states live only for this call."""
-    pg, sock, mpi = links
+    pg, sock, mpi, helper = links
     rank = peer.rank
     nbytes = size_mb * MB
     state = make_state(nbytes) if rank == 1 else None
@@ -258,6 +286,8 @@ def measure_size(
             ("mpi-raw", lambda: bench_mpi_raw(mpi, rank, nbytes)),
             ("mpi+stream", lambda: bench_stream(mpi, rank, state, into)),
         ]
+    if helper is not None:
+        methods.append(("mpi-helper+stream", lambda: bench_stream(helper, rank, state, into)))
     for name, fn in methods:
         measure(peer, name, size_mb, repeat, fn, results)
 
@@ -269,19 +299,32 @@ def run_rank(args: argparse.Namespace, rank: int, master: str) -> None:
     use_mpi = not args.no_mpi and _mpi_importable()
     peer.share("use-mpi", str(int(use_mpi))) if rank == 0 else None
     use_mpi = peer.share("use-mpi") == "1"
+    use_helper = not args.no_mpi and _hydra() is not None
+    peer.share("use-helper", str(int(use_helper))) if rank == 0 else None
+    use_helper = peer.share("use-helper") == "1"
     results: list[dict[str, Any]] = []
     pg = gloo_group(peer)
     sock = socket_transport(peer)
     mpi = mpi_link(peer) if use_mpi else None
+    startup: list[dict[str, float]] = []
+    helper = None
+    for _ in range(args.repeat if use_helper else 0):  # the last link carries the row
+        peer.barrier()
+        if helper is not None:
+            helper.close()
+        helper = mpi_helper_link(peer, startup)
     if rank == 0:
-        print(f"{'method':<14} {'size':>9} {'time':>10} {'throughput':>13}", flush=True)
+        for times in startup:
+            print("mpi-helper start-up: " + ", ".join(f"{k} {v:.3f}" for k, v in times.items()), flush=True)
+        print(f"{'method':<18} {'size':>9} {'time':>10} {'throughput':>13}", flush=True)
     for size_mb in sizes:
-        measure_size(peer, size_mb, args.repeat, (pg, sock, mpi), results)
+        measure_size(peer, size_mb, args.repeat, (pg, sock, mpi, helper), results)
     peer.barrier()
+    if helper is not None:
+        helper.close()
     if rank == 0 and args.json:
-        Path(args.json).write_text(
-            json.dumps({"environment": environment(master), "results": results}, indent=2)
-        )
+        doc = {"environment": environment(master), "results": results, "startup": startup}
+        Path(args.json).write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.json}")
 
 
@@ -289,6 +332,12 @@ def _mpi_importable() -> bool:
     from torchpass_slurm.transfer.mpi_transport import mpi_problem
 
     return mpi_problem() is None
+
+
+def _hydra() -> str | None:
+    from torchpass_slurm.transfer.mpi_process import find_hydra
+
+    return find_hydra()
 
 
 def environment(master: str) -> dict[str, Any]:
