@@ -46,11 +46,12 @@ NODES = (CONTROLLER, *COMPUTE, *SERVICE)
 class Flavor:
     """One kind of dev cluster: its Debian release, images, names and network.
 
-    ``trixie`` (the default): Slurm 24.11, Debian's torch 2.6, Open MPI. ``bookworm``:
-    Slurm 22.05 (the oldest Slurm the project supports) with torch 2.13 (CPU), MPICH 5
-    and mpi4py 4.1 from a wheelhouse the host's pip fills (``wheels``, a requirements file
-    under docker/): Debian's torch 2.6 cannot run FSDP2 (design.md, 1b). The two differ in
-    every name, address and folder, so both can be up at once.
+    ``trixie`` (the default): Slurm 24.11, Debian's torch 2.6. ``bookworm``: Slurm 22.05
+    (the oldest Slurm the project supports) with torch 2.13 (CPU): Debian's torch 2.6
+    cannot run FSDP2 (design.md, 1b). Both take MPICH 5 and mpi4py 4.1 (the MPI transport
+    under ``srun --mpi=pmi2``) from a wheelhouse the host's pip fills (``wheels``, a
+    requirements file under docker/, for the flavor's ``python``). The two differ in every
+    name, address and folder, so both can be up at once.
     """
 
     name: str
@@ -61,6 +62,8 @@ class Flavor:
     net_prefix: str
     shared: str
     wheels: str | None = None
+    #: The Python of the flavor's Debian release, whose wheels the wheelhouse holds.
+    python: str = "3.13"
     #: cgroup.conf of the nodes, relative to docker/
     cgroup_conf: str = "cgroup.conf"
 
@@ -83,7 +86,14 @@ class Flavor:
 
 FLAVORS = {
     "trixie": Flavor(
-        "trixie", "trixie", "torchpass", "torchpass-slurm-node:dev", "torchpass-net", "172.29.77", "shared"
+        "trixie",
+        "trixie",
+        "torchpass",
+        "torchpass-slurm-node:dev",
+        "torchpass-net",
+        "172.29.77",
+        "shared",
+        wheels="trixie/wheels.txt",
     ),
     "bookworm": Flavor(
         "bookworm",
@@ -94,6 +104,7 @@ FLAVORS = {
         "172.29.78",
         "shared-bookworm",
         wheels="bookworm/wheels.txt",
+        python="3.11",
         cgroup_conf="bookworm/cgroup.conf",
     ),
 }
@@ -272,7 +283,8 @@ def pip_command() -> list[str]:
 
 def ensure_wheelhouse() -> Path | None:
     """The flavor's wheels, downloaded by the host's pip (containers here cannot reach PyPI):
-    CPython 3.11 manylinux x86_64 wheels of FLAVOR.wheels, kept in .cluster/wheels/<flavor>."""
+    CPython manylinux x86_64 wheels (the flavor's Python) of FLAVOR.wheels, kept in
+    .cluster/wheels/<flavor>."""
     if FLAVOR.wheels is None:
         return None
     requirements = DOCKER_DIR / FLAVOR.wheels
@@ -283,7 +295,7 @@ def ensure_wheelhouse() -> Path | None:
         return house
     log(
         f"downloading the wheels of {requirements.relative_to(ROOT)} into {house} "
-        "(about 230 MB the first time)"
+        "(up to 230 MB the first time)"
     )
     platforms = [
         "manylinux_2_28_x86_64",
@@ -305,7 +317,7 @@ def ensure_wheelhouse() -> Path | None:
             "-q",
             "--only-binary=:all:",
             "--python-version",
-            "3.11",
+            FLAVOR.python,
             "--implementation",
             "cp",
             *(f"--platform={p}" for p in platforms),
