@@ -141,12 +141,6 @@ class Handover:
         self._progress: Any = None  # transfer progress, kept across a donor's death (resumable)
         #: the job's transport setting (TORCHPASS_TRANSPORT): the route of a replica donor
         self.route = route_of(cfg.transport_from_env())
-        if self.route == "mpi":  # every rank of a step starts its MPI now: MPI_Init is collective
-            from torchpass_slurm.transfer.mpi_transport import mpi_problem
-
-            problem = mpi_problem()
-            if problem is not None:
-                rt.log.warning("transport mpi: %s; transfers will go over the group", problem)
 
     def agree(self, step: int, leaving: Collection[int]) -> Agreement:
         import torch
