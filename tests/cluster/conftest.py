@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from scripts.devcluster import COMPUTE, Cluster, ClusterError, wait_for
-from tests.cluster.jobs import SUBMITTED, final_hash, post_mortem, submit
+from tests.cluster.jobs import MULTI_CHUNK_ARGS, SUBMITTED, final_hash, post_mortem, submit
 
 #: Where, in SUBMITTED, a test's own jobs begin (the session fixtures submit some first).
 _FIRST_JOB = pytest.StashKey[int]()
@@ -87,4 +87,14 @@ def reference_hash(cluster: Cluster) -> str:
     return final_hash(job)
 
 
-__all__ = ["COMPUTE", "cluster", "healthy_cluster", "reference_hash"]
+@pytest.fixture(scope="session")
+def multi_chunk_reference(cluster: Cluster) -> str:
+    """The fault-free run of :data:`~tests.cluster.jobs.MULTI_CHUNK_ARGS` (3 replicas): the
+    reference of the tests that kill a donor mid-stream."""
+    cluster.ensure_healthy()
+    job = submit(cluster, "-N", "3", train_args=MULTI_CHUNK_ARGS)
+    assert cluster.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
+    return final_hash(job)
+
+
+__all__ = ["COMPUTE", "cluster", "healthy_cluster", "multi_chunk_reference", "reference_hash"]

@@ -28,6 +28,16 @@ TRAIN_ARGS = (
     "--step-sleep",
     "0.4",
 )
+#: :data:`TRAIN_ARGS` with a state of several 4 MB chunks (d_model 128, 4 layers), so that a
+#: donor can be killed mid-stream, with chunks already moved.
+MULTI_CHUNK_ARGS = (
+    *TRAIN_ARGS[: TRAIN_ARGS.index("--d-model")],
+    "--d-model",
+    "128",
+    "--n-layers",
+    "4",
+    *TRAIN_ARGS[TRAIN_ARGS.index("--context") :],
+)
 DONE = re.compile(
     r"^done step=(\d+) loss=(\S+) params_sha256=([0-9a-f]{64}) optim_sha256=([0-9a-f]{64})$", re.MULTILINE
 )

@@ -13,8 +13,9 @@ held for until the refill's node joins. With two spares, the same holds when the
 is the spare that receives (the next spare takes its rank) or the survivor waiting in the
 handover's barrier.
 
-The training is larger than the other tests' (d_model 128, 4 layers: a state of several 4 MB
-chunks, so that "mid-stream" means chunks already moved), so it has its own fault-free run.
+The training is larger than the other tests' (``MULTI_CHUNK_ARGS``: a state of several 4 MB
+chunks, so that "mid-stream" means chunks already moved), so it has its own fault-free run
+(``multi_chunk_reference``).
 """
 
 from __future__ import annotations
@@ -26,32 +27,14 @@ from collections.abc import Callable
 import pytest
 
 from scripts.devcluster import SERVICE_PARTITION, Cluster, wait_for
-from tests.cluster.jobs import TRAIN_ARGS, TpJob, final_hash, kill_rank, submit
+from tests.cluster.jobs import MULTI_CHUNK_ARGS, TpJob, final_hash, kill_rank, submit
 from tests.cluster.test_live_migration import assert_all_live
 
 pytestmark = pytest.mark.cluster
 
-#: The other tests' training with a state of several chunks.
-ARGS = (
-    *TRAIN_ARGS[: TRAIN_ARGS.index("--d-model")],
-    "--d-model",
-    "128",
-    "--n-layers",
-    "4",
-    *TRAIN_ARGS[TRAIN_ARGS.index("--context") :],
-)
 #: The donor waits this long before chunk 1: the test's window to kill it mid-stream.
 STALL_S = 8
 ENV = {"TORCHPASS_TEST_STALL_CHUNK": f"1:{STALL_S}"}
-
-
-@pytest.fixture(scope="module")
-def reference(cluster: Cluster) -> str:
-    """The fault-free run of :data:`ARGS` (3 replicas)."""
-    cluster.ensure_healthy()
-    job = submit(cluster, "-N", "3", train_args=ARGS)
-    assert cluster.wait_job_done(job.job_id, timeout=300) == "COMPLETED"
-    return final_hash(job)
 
 
 def events(job: TpJob) -> list[dict]:
@@ -67,11 +50,14 @@ def rank_nodes(job: TpJob) -> dict[int, str]:
     return {r: n["node"] for n in job.status()["nodes"] if n["role"] == "active" for r in n["ranks"]}
 
 
-def kill_mid_stream(c: Cluster, job: TpJob, who: str, kill: Callable[[str], None]) -> tuple[str, str]:
+def kill_mid_stream(
+    c: Cluster, job: TpJob, who: str, kill: Callable[[str], None], settle: float = 1.0
+) -> tuple[str, str]:
     """Power off rank 2's node, then, while the donor streaming to its spare waits before
     chunk 1, ``kill`` the node of ``who``: the ``donor``, the ``receiver`` (the promoted
     spare) or the ``bystander`` (the survivor outside the transfer, in the handover's
-    barrier). The two nodes."""
+    barrier). ``settle``: seconds from the agreement until the manifest and chunk 0 are
+    through. The two nodes."""
     job.wait_step(4)
     nodes = rank_nodes(job)
     victim = nodes[2]
@@ -85,7 +71,7 @@ def kill_mid_stream(c: Cluster, job: TpJob, who: str, kill: Callable[[str], None
     assert agreement["receivers"] == [2] and agreement["donors"] == [0, 1], agreement
     spare = next(e["node"] for e in events(job) if e["kind"] == "spare_promoted")
     second = {"donor": nodes[0], "receiver": spare, "bystander": nodes[1]}[who]
-    time.sleep(1)  # the manifest and chunk 0 are through: the donor is mid-stream
+    time.sleep(settle)  # the manifest and chunk 0 are through: the donor is mid-stream
     assert time.time() - agreement["ts"] < STALL_S - 2, "too late for the donor's stall"
     kill(second)
     return victim, second
@@ -123,7 +109,7 @@ DEATHS = [
 
 @pytest.mark.parametrize(("who", "how", "resumed", "spares"), DEATHS)
 def test_a_death_mid_stream_folds_into_one_live_recovery(
-    healthy_cluster: Cluster, reference: str, who: str, how: str, resumed: bool, spares: int
+    healthy_cluster: Cluster, multi_chunk_reference: str, who: str, how: str, resumed: bool, spares: int
 ) -> None:
     c = healthy_cluster
     job = submit(
@@ -134,12 +120,12 @@ def test_a_death_mid_stream_folds_into_one_live_recovery(
         "3",
         "--spares",
         str(spares),
-        train_args=ARGS,
+        train_args=MULTI_CHUNK_ARGS,
         env=ENV,
     )
     kill = c.kill if how == "node" else (lambda node: kill_rank(c, node))
     victim, second = kill_mid_stream(c, job, who, kill)
-    log = check(c, job, reference, victim, second, resumed=resumed)
+    log = check(c, job, multi_chunk_reference, victim, second, resumed=resumed)
     if spares == 1 and how == "process":  # its node outlived the process: it took the rank back
         in_place = [e["node"] for e in log if e["kind"] == "spare_promoted" and e.get("in_place")]
         assert in_place == [second], log

@@ -17,6 +17,7 @@ from scripts import devcluster
 from tests.cluster.conftest import (  # noqa: F401 - the fixtures and the report hook, reused
     cluster,
     healthy_cluster,
+    multi_chunk_reference,
     pytest_runtest_makereport,
 )
 
