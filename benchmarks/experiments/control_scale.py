@@ -3,6 +3,7 @@
     python -m benchmarks.experiments.control_scale                  # 3 rows and a profile (~3 min)
     python -m benchmarks.experiments.control_scale --quick          # 256 nodes x 8: it works (~40 s)
     python -m benchmarks.experiments.control_scale --rows 1 --duration 600   # 10 min: false detections
+    python -m benchmarks.experiments.control_scale --receive-path   # what one message costs (~1 min)
 
 The supervisor process runs ``tp run``'s supervisor: the real ``Supervisor`` loop
 (``supervisor/loop.py``), its ``ControlServer`` on 127.0.0.1, its ``Detectors`` and the
@@ -13,7 +14,10 @@ the nodes' agents, one DEALER per node speaking the real signed protocol (a ``he
 a ``live_ready`` per rank, then one heartbeat per node as ``rank/nodebeat.py`` sends it, or
 one per rank): :mod:`.control_scale_agents`. Both sides share :mod:`.control_scale_world`.
 
-Once every step is up, a row measures a window without faults (``--duration``): the
+The agents connect in waves, greet at a bounded rate and beat slower until every step is
+up (:data:`~.control_scale_world.RAMP_RATE`); the server's gate admits all their handshakes
+at once (``CountingServer`` says why the default budget of 256 cannot). Once every step is
+up, a row measures a window without faults (``--duration``): the
 supervisor process's CPU time over wall time (zmq's I/O thread and the gate's included)
 and its loop thread's alone, the messages its polls returned per second and how old they
 were. Then five faults strike five nodes, a few seconds apart: a dead agent whose step
@@ -28,7 +32,9 @@ Rows: the job of ``--nodes`` (2,048) with per-node beats, the one issue 27 judge
 5 % of a core, detection within 1 s, no false detection in 10 minutes); the same with an
 eighth of the nodes; that smaller job with per-rank beats (as many messages a second as
 the first row's); then the first row again for 15 s under cProfile (the loop thread's CPU
-time), which says where its time goes.
+time), which says where its time goes. ``--receive-path`` measures instead what one
+message costs the receiving thread, decoded or not, one by one or batched
+(:mod:`.control_scale_receive`).
 
 This is a script, not a test: numbers depend on the machine; never assert on them.
 """
@@ -54,6 +60,7 @@ import zmq
 from benchmarks import manifest
 
 from .control_scale_agents import agents_main
+from .control_scale_receive import receive_path, receive_table
 from .control_scale_supervisor import LAUNCH_TIMEOUT_S, TAIL_S, UP_TIMEOUT_S, supervisor_main
 from .control_scale_world import (
     FaultKind,
@@ -69,8 +76,8 @@ from .control_scale_world import (
 BUDGET = 0.05
 #: Most nodes one load generator owns (each a TCP connection and a few descriptors).
 NODES_PER_GENERATOR = 4096
-#: The window starts this long after every step is up (the greetings' backlog drains).
-SETTLE_S = 2.0
+#: The window starts this long after the nodes beat at the row's interval.
+SETTLE_S = 3.0
 #: Longest wait for a process of the benchmark to start, answer or finish.
 PROCESS_TIMEOUT_S = 60.0
 #: The first row's window by default (with --quick: its only row's), and the shortest one.
@@ -167,14 +174,18 @@ def run_row(plan: Plan) -> dict[str, Any]:
         for c in conns:
             c.send(origin)
         up = receive(sup_conn, UP_TIMEOUT_S + PROCESS_TIMEOUT_S, "word that every step is up")
-        start = time.monotonic() + SETTLE_S
+        said = f"every step up {up['after_s']} s after launch"
+        if not up["up"]:
+            said = f"NOT every step up: {up['steps_up']} of {row.nodes + row.spares} after {up['after_s']} s"
+        print(f"  {row.name}: {said}; measuring", flush=True)
+        steady_from = time.monotonic() + 0.2
+        start = steady_from + SETTLE_S
         end = start + plan.window_s
-        schedule = Schedule(origin, start, end, fault_plan(row, end))
+        schedule = Schedule(origin, steady_from, start, end, fault_plan(row, end))
         for c in conns:
             c.send(schedule)
-        sup_conn.send(schedule if up["up"] else "abort")
-        if up["up"]:
-            time.sleep(max(0.0, schedule.over + TAIL_S - time.monotonic()))
+        sup_conn.send(schedule)  # not every step up: measured all the same, and said so
+        time.sleep(max(0.0, schedule.over + TAIL_S - time.monotonic()))
         for c in conns:
             c.send("end")
         gens = [receive(c, PROCESS_TIMEOUT_S, "a load generator's results") for c in conns]
@@ -345,11 +356,12 @@ def fault_table(rows: list[dict[str, Any]]) -> str:
 def progress_line(row: dict[str, Any]) -> str:
     """What one row's run looked like: the start, the generators' load, the loop."""
     gen, up = row["generators"], row["up"]
-    started = f"every step up {up['after_s']} s after launch" if up["up"] else "NOT every step came up"
+    started = f"every step up {up['after_s']} s after launch" if up["up"] else f"{up['steps_up']} steps up"
     return (
         f"  {row['row']['name']}: {row['seconds']:.0f} s; {started}; {gen['processes']} generators: "
         f"{gen['cpu_share']:.0%} of a core, {gen['refused']} sends refused, {gen['skipped']} beats skipped, "
         f"up to {gen['max_lateness_s']:.2f} s late; {row['rejected']:,} messages rejected; "
+        f"connections refused: {row['refused_connections'] or 'none'}; "
         f"{row.get('polls_per_s', 0):,.0f} polls/s; {row['probes']} probes; "
         f"max RSS {row['max_rss_mb']:.0f} MB; "
         f"false detections: {', '.join(row['false_detections']) or 'none'}"
@@ -383,6 +395,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rows", help="comma-separated row numbers to run (1-based), e.g. 1 or 1,3")
     p.add_argument("--no-profile", action="store_true", help="leave out the profiled repeat of row 1")
     p.add_argument(
+        "--receive-path",
+        action="store_true",
+        help="instead of the rows: what one message costs the receiving thread, decoded or not, "
+        "one by one or batched (control_scale_receive.py; ~1 min)",
+    )
+    p.add_argument(
         "--json",
         type=Path,
         help="write the results here (default: benchmarks/results/control-loop-scale-DATE.json; "
@@ -405,33 +423,37 @@ def main(argv: list[str] | None = None) -> int:
     print(f"control plane at scale (the real loop), {env['date']} on {env['host']} ({env['cpus']} CPUs)")
     print(env["zmq"])
     print(f"the host's load average (1, 5, 15 min) at the start: {env['load_average']}", flush=True)
-    rows, profiles = [], []
-    for plan in todo:
+    name = "control-loop-scale-receive" if args.receive_path else "control-loop-scale"
+    path = args.json or (None if args.quick else manifest.RESULTS / f"{name}-{env['date'][:10]}.json")
+    result: dict[str, Any] = {"environment": env, "budget": BUDGET, "rows": [], "profiles": []}
+    if args.receive_path:
+        small = Row(f"{max(nodes // 8, 8):,} nodes x 8, per-node beats", max(nodes // 8, 8))
+        if args.quick:
+            small = replace(small, name=f"{nodes:,} nodes x 8, per-node beats", nodes=nodes)
+        result["receive_path"] = receive_path(small)
+        print(receive_table(small, result["receive_path"]))
+    for plan in [] if args.receive_path else todo:
         began = time.monotonic()
         row = run_row(plan)
         row["seconds"] = round(time.monotonic() - began, 1)
         if "profile" in row:
-            profiles.append(f"{row['row']['name']}:\n{row.pop('profile')}")
-        rows.append(row)
-        print(progress_line(row), flush=True)
-    print()
-    print(table(rows))
-    print()
-    print(fault_table(rows))
-    for text in profiles:
+            result["profiles"].append(strip_paths(f"{row['row']['name']}:\n{row.pop('profile')}"))
+        result["rows"].append(row)
+        print(progress_line(row))
+        print(table([row]).splitlines()[-1], flush=True)
+        if path is not None:  # after every row: a run cut short keeps what it measured
+            manifest.write_result(path, result)
+    if result["rows"]:
+        print()
+        print(table(result["rows"]))
+        print()
+        print(fault_table(result["rows"]))
+    for text in result["profiles"]:
         print()
         print(text)
+    result["environment"]["load_average_at_end"] = os.getloadavg()
     print(f"the host's load average at the end: {os.getloadavg()}")
-    path = args.json or (
-        None if args.quick else manifest.RESULTS / f"control-loop-scale-{env['date'][:10]}.json"
-    )
     if path is not None:
-        result = {
-            "environment": env,
-            "budget": BUDGET,
-            "rows": rows,
-            "profiles": [strip_paths(t) for t in profiles],
-        }
         manifest.write_result(path, result)
         print(f"wrote {path}")
     return 0

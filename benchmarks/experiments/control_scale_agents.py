@@ -39,6 +39,7 @@ from .control_scale_world import (
     Schedule,
     node_beat_body,
     node_name,
+    ramp_interval,
     rank_beat_body,
     sign,
     standby_beat_body,
@@ -48,9 +49,10 @@ from .control_scale_world import (
 #: oldest of more than 256 connections in their handshake (``SocketLimits.max_pending``).
 WAVE = 64
 WAVE_PAUSE_S = 0.05
-#: The greetings (hello and live_ready of every rank) are spread over at least this long,
-#: at most this many messages a second in all.
-GREET_RATE = 8000.0
+#: The greetings (hello and live_ready of every rank) are spread over at least an interval,
+#: at most this many messages a second in all: each node's last hello costs the supervisor an
+#: fsync'd ``worker_up`` event (about 3 ms here), and the greeted nodes beat meanwhile.
+GREET_RATE = 1500.0
 
 
 @dataclass
@@ -106,10 +108,11 @@ class Agents:
         return max(self.row.interval_s, greetings / GREET_RATE)
 
     def run(self, conn: Connection, origin: float) -> None:
-        """Greet, then beat, from ``origin`` on, until ``conn`` says "end" (it may send a
-        :class:`Schedule` meanwhile: the faults)."""
-        total, spread, interval = self.row.nodes + self.row.spares, self.greet_spread(), self.row.interval_s
-        due = [(origin + a.index / total * spread, k) for k, a in enumerate(self.agents)]
+        """Greet, then beat at the ramp's interval, from ``origin`` on, until ``conn`` says "end".
+        ``conn`` sends the :class:`Schedule` once every step is up: its faults, and the time
+        from which every node beats at the row's interval, each at its own phase."""
+        total, interval = self.row.nodes + self.row.spares, ramp_interval(self.row)
+        due = [(origin + a.index / total * self.greet_spread(), k) for k, a in enumerate(self.agents)]
         heapq.heapify(due)
         turns = 0
         while due:
@@ -121,6 +124,9 @@ class Agents:
                 if order == "end":
                     return
                 self.strike(order)
+                interval = self.row.interval_s
+                due = [(order.steady_from + a.index / total * interval, k) for k, a in enumerate(self.agents)]
+                heapq.heapify(due)
                 continue
             heapq.heapreplace(due, (at + interval, k))
             if -wait > interval and self.agents[k].greeted:

@@ -31,6 +31,12 @@ STEP_S = 0.5
 COMPUTE_SHARE = 0.3
 #: The local rank that a rank fault strikes.
 VICTIM_LOCAL = 3
+#: Until every step is up, the nodes beat at most this many messages a second in all, and at
+#: least every :data:`RAMP_MAX_INTERVAL_S` (under the 1 s ``silence_threshold``), so that the
+#: start, where every node's last hello costs an fsync'd ``worker_up`` event, does not bury
+#: the loop in a backlog before the window.
+RAMP_RATE = 2500.0
+RAMP_MAX_INTERVAL_S = 0.9
 
 
 class FaultKind(StrEnum):
@@ -126,6 +132,8 @@ class Schedule:
 
     #: the simulated training's step 0
     origin: float
+    #: from then on every node beats at the row's interval (before: the ramp's)
+    steady_from: float
     #: the measured window, without faults
     start: float
     end: float
@@ -149,6 +157,11 @@ def fault_plan(row: Row, begin: float) -> tuple[Injected, ...]:
             node = (node + 1) % row.nodes
         out.append(Injected(kind, node, begin + FAULT_OFFSETS_S[kind]))
     return tuple(out)
+
+
+def ramp_interval(row: Row) -> float:
+    """The nodes' beat interval until every step is up (:data:`RAMP_RATE`)."""
+    return max(row.interval_s, min(RAMP_MAX_INTERVAL_S, row.senders / RAMP_RATE))
 
 
 def node_name(index: int) -> str:

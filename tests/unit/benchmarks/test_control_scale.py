@@ -78,12 +78,18 @@ def test_each_fault_strikes_its_own_node_the_ended_step_first() -> None:
     assert sorted(f.at for f in faults)[0] == 50.0
     assert next(f for f in faults if f.at == 50.0).kind == FaultKind.AGENT_STEP_ENDED
     assert len({f.node for f in faults}) == len(faults) == len(FaultKind)
-    schedule = Schedule(0.0, 10.0, 50.0, faults)
+    schedule = Schedule(0.0, 7.0, 10.0, 50.0, faults)
     assert schedule.fault_of(faults[0].node) == faults[0]
     assert schedule.over == 50.0 + 6.0 + 7.0  # the dead agent, last, has heartbeat_timeout and slack
-    assert Schedule(0.0, 10.0, 50.0).over == 50.0
+    assert Schedule(0.0, 7.0, 10.0, 50.0).over == 50.0
     small = world.fault_plan(Row("r", nodes=2, faults=(FaultKind.NODE_STOPPED, FaultKind.RANK_DIED)), 0.0)
     assert {f.node for f in small} == {0, 1}
+
+
+def test_until_every_step_is_up_a_big_job_beats_slower_but_within_the_silence_threshold() -> None:
+    assert world.ramp_interval(Row("r", nodes=256, spares=2)) == 0.25  # 288 senders: the row's own
+    assert world.ramp_interval(Row("r", nodes=2048, spares=16)) == pytest.approx(2176 / 2500)
+    assert world.ramp_interval(Row("r", nodes=9000)) == 0.9
 
 
 def test_a_row_counts_its_heartbeat_senders() -> None:
@@ -103,7 +109,7 @@ def detection(node: str, at: float, detector: str = "heartbeat_lost") -> dict[st
 
 def test_a_fault_is_found_by_the_first_detection_on_its_node_after_it_struck() -> None:
     fault = Injected(FaultKind.NODE_STOPPED, node=2, at=20.0)
-    schedule = Schedule(0.0, 10.0, 19.0, (fault,))
+    schedule = Schedule(0.0, 7.0, 10.0, 19.0, (fault,))
     found = cs.detected([detection("n00002", 19.5), detection("n00002", 21.6)])
     row = cs.fault_row(fault, found, schedule, 0.25, sent=19.9)
     assert (row["found_s"], row["after_last_beat_s"], row["struck_s"]) == (1.6, 1.7, 10.0)
@@ -122,7 +128,7 @@ def test_false_detections_are_faults_on_nodes_not_struck_or_before_they_were() -
         {"cpu_share": 0.1, "sent": 10, "refused": 0, "skipped": 0, "lateness_s": 0.01, "last_sent": {2: 19.9}}
     ]
     plan = cs.Plan(Row("r", nodes=4, faults=(FaultKind.NODE_STOPPED,)), 9.0)
-    row = cs.summarise(plan, {"up": True}, Schedule(0.0, 10.0, 19.0, (fault,)), result, gens)
+    row = cs.summarise(plan, {"up": True}, Schedule(0.0, 7.0, 10.0, 19.0, (fault,)), result, gens)
     assert row["false_detections"] == ["n00001", "n00002"]
     assert row["faults"][0]["found_s"] == 1.5
     assert row["delay_ms"] == {"p50": 1.0, "p99": 2.0, "max": 2.0}
