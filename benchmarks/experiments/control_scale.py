@@ -60,7 +60,7 @@ import zmq
 from benchmarks import manifest
 
 from .control_scale_agents import agents_main
-from .control_scale_receive import receive_path, receive_table
+from .control_scale_receive import costs_table, loop_costs, receive_path, receive_table
 from .control_scale_supervisor import LAUNCH_TIMEOUT_S, TAIL_S, UP_TIMEOUT_S, supervisor_main
 from .control_scale_world import (
     FaultKind,
@@ -432,6 +432,10 @@ def main(argv: list[str] | None = None) -> int:
             small = replace(small, name=f"{nodes:,} nodes x 8, per-node beats", nodes=nodes)
         result["receive_path"] = receive_path(small)
         print(receive_table(small, result["receive_path"]))
+        costs = {n: loop_costs(n) for n in sorted({small.nodes, nodes})}
+        result["loop_costs"] = {str(n): c for n, c in costs.items()}
+        print()
+        print(costs_table(costs))
     for plan in [] if args.receive_path else todo:
         began = time.monotonic()
         row = run_row(plan)

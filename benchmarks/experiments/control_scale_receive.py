@@ -1,4 +1,5 @@
-"""The receive path alone (``control_scale --receive-path``): what one message costs.
+"""The receive path alone (``control_scale --receive-path``): what one message costs, and
+what each piece of the loop costs per call.
 
 Issue 27 asks for a receive path within budget, to be chosen by measurement (aggregation,
 batching, a compact encoding, one more level). This splits what one heartbeat costs the
@@ -11,6 +12,11 @@ supervisor's loop thread: a process of its own polls the real ``ControlServer`` 
 - with ``messages.decode`` (HMAC, JSON, schema, replay guard), or without: the server's
   ``Receiver`` answers every frame with one fixed message, so what is left is zmq's
   receive, the wake-up and the loop.
+
+:func:`loop_costs` times the pieces of the loop in this process, for a steady job of N
+nodes built as the benchmark's supervisor is (every step up, every node heard a moment
+ago): decoding a node's beat, taking it (``Supervisor._take``), a silence check and its
+three parts, a pass without one, and writing status.json.
 """
 
 from __future__ import annotations
@@ -18,19 +24,24 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import secrets
+import tempfile
 import time
-from collections.abc import Sequence
+import timeit
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
+from torchpass_slurm.control import messages
 from torchpass_slurm.control.kinds import Kind
 from torchpass_slurm.control.messages import Message
 from torchpass_slurm.control.security import DEFAULT_LIMITS, raise_fd_limit
 from torchpass_slurm.control.server import ControlServer
 
 from .control_scale_agents import agents_main
-from .control_scale_world import Row
+from .control_scale_supervisor import CountingServer, World, build
+from .control_scale_world import RANKS_PER_NODE, Row, node_beat_body
 
 #: The wait after each poll in the batched modes.
 BATCH_WAIT_S = 0.02
@@ -146,4 +157,92 @@ def receive_table(row: Row, results: list[dict[str, Any]]) -> str:
             f"| {r['mode']} | {r['rate']:,.0f} | {r['polls_per_s']:,.0f} | "
             f"{'-' if loop is None else f'{loop:.0f}'} | {'-' if proc is None else f'{proc:.0f}'} |"
         )
+    return "\n".join(lines)
+
+
+def loop_costs(nodes: int, repeat: int = 5) -> dict[str, float]:
+    """Per call, in this process, for a steady job of ``nodes`` nodes x 8 (see the module
+    docstring): microseconds per message, milliseconds per check, pass and status write
+    (the best of ``repeat`` runs)."""
+    secret = secrets.token_bytes(32)
+    server = CountingServer(secret, connections=0)
+    try:
+        with tempfile.TemporaryDirectory(prefix="control-costs-") as run_dir:
+            sup, _ = build(Row("costs", nodes), server, World(), Path(run_dir))
+            m, now, mono = sup.membership, time.time(), time.monotonic()
+            origin = mono - 10.0  # ten seconds into the training; the hellos a second ago
+            for node in m.active:
+                sup.job.launched(node, sup.launcher.launch(node, m))
+                for local in range(RANKS_PER_NODE):
+                    rank = m.rank_base(node) + local
+                    hello = {"node": node, "rank": rank, "local_rank": local, "role": "active", "pid": 1}
+                    msg = Message(Kind.HELLO, f"{node}/{local}", 1, now - 1.0, {**hello, "epoch": 0})
+                    sup._take(b"peer", msg, now - 1.0)
+            sup._after_messages()
+            frames = [
+                messages.encode(
+                    Message(
+                        Kind.HEARTBEAT,
+                        f"{node}/0",
+                        2,
+                        now,
+                        node_beat_body(m.rank_base(node), mono, origin, 0.25),
+                    ),
+                    secret,
+                )
+                for node in m.active
+            ]
+            receiver = messages.Receiver(secret, messages.WORKER_KINDS)
+            decoded = [receiver.accept(f, "a node") for f in frames]
+
+            def decode() -> None:
+                guard = messages.Receiver(secret, messages.WORKER_KINDS)
+                for f in frames:
+                    guard.accept(f, "a node")
+
+            def take() -> None:
+                t = time.time()
+                for msg in decoded:
+                    sup._take(b"peer", msg, t)
+
+            det = sup.detectors
+
+            def check() -> None:
+                det._next_silence_check = 0.0
+                det.detect()
+
+            take()
+            sup.job.heard(time.time() + 3600)  # every beat taken: nobody silent during the timing
+            det._next_slurm_poll = time.monotonic() + 3600
+            out = {
+                "decode a node's beat (us)": _best(decode, repeat) / nodes * 1000,
+                "take it (us)": _best(take, repeat) / nodes * 1000,
+                "silence check (ms)": _best(check, repeat),
+                "  of it: confirmed silence (ms)": _best(det._confirmed_silence, repeat),
+                "  of it: timeouts (ms)": _best(det._silence, repeat),
+                "  of it: hang, no progress (ms)": _best(det._no_progress, repeat),
+            }
+            det._next_silence_check = time.monotonic() + 3600
+            out["a pass without it: detect, reap (ms)"] = _best(det.detect, repeat) + _best(sup._reap, repeat)
+            out["status.json (ms)"] = _best(lambda: sup._write_status(force=True), repeat)
+            sup.events.close()
+            return out
+    finally:
+        server.close()
+
+
+def _best(fn: Callable[[], object], repeat: int) -> float:
+    """Milliseconds of the fastest of ``repeat`` calls."""
+    return min(timeit.repeat(fn, number=1, repeat=repeat)) * 1000
+
+
+def costs_table(costs: dict[int, dict[str, float]]) -> str:
+    """The per-call costs, one column per job size."""
+    sizes = sorted(costs)
+    lines = [
+        "| per call | " + " | ".join(f"{n:,} nodes x 8" for n in sizes) + " |",
+        "|---|" + "---|" * len(sizes),
+    ]
+    for key in costs[sizes[0]]:
+        lines.append(f"| {key} | " + " | ".join(f"{costs[n][key]:.2f}" for n in sizes) + " |")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from benchmarks.experiments import control_scale as cs
+from benchmarks.experiments import control_scale_receive as receive
 from benchmarks.experiments import control_scale_world as world
 from benchmarks.experiments.control_scale_world import FaultKind, Injected, Row, Schedule
 from torchpass_slurm.control import messages
@@ -183,3 +184,10 @@ def test_a_tiny_job_under_the_real_loop_finds_its_stopped_node_and_nothing_else(
     assert (fault["detector"], fault["evidence"]) == ("heartbeat_lost", "probe")
     assert 1.0 < fault["after_last_beat_s"] < 3.0
     assert row["rate"] > 0 and row["rejected"] == 0 and row["generators"]["refused"] == 0
+
+
+def test_the_loop_costs_time_every_piece_of_a_steady_tiny_job() -> None:
+    costs = receive.loop_costs(4, repeat=1)
+    assert set(costs) >= {"decode a node's beat (us)", "silence check (ms)", "status.json (ms)"}
+    assert all(value > 0 for value in costs.values())
+    assert receive.costs_table({4: costs}).splitlines()[2].startswith("| decode a node's beat (us) | ")
