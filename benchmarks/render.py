@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import detection
-from benchmarks.runs import UNPLANNED_SHORT
+from benchmarks.runs import UNPLANNED_BY_TRANSPORT, UNPLANNED_SHORT
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -29,7 +29,7 @@ END = "<!-- suite:end -->"
 
 PHASES = ("detection", "decision", "rebuild", "agreement", "transfer", "first_step")
 PHASE_LABELS = ("detection", "decision", "group rebuild", "agreement", "transfer", "first step")
-FAULT_KINDS = ("unplanned", UNPLANNED_SHORT, "pre-emptive", "planned")
+FAULT_KINDS = ("unplanned", UNPLANNED_SHORT, *UNPLANNED_BY_TRANSPORT, "pre-emptive", "planned")
 COMPLETION_RUNS = (
     ("no_fault", "no fault"),
     ("live", "live migration (tp run)"),
@@ -46,7 +46,10 @@ TRANSFER_METHODS = (
     ("raw-tcp", "raw TCP (baseline)"),
     ("socket+stream", "socket + stream"),
     ("gloo-raw", "gloo send/recv"),
-    ("torch+stream", "torch (gloo) + stream: live migration"),
+    ("torch+stream", "torch (gloo) + stream: live migration (auto)"),
+    ("mpi-raw", "MPICH send/recv, in the rank"),
+    ("mpi+stream", "MPICH + stream, in the rank"),
+    ("mpi-helper+stream", "MPICH + stream in a helper process: live migration (mpi)"),
 )
 
 

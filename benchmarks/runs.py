@@ -4,9 +4,10 @@
   (3 active nodes + 1 hot spare) against the same training under plain
   ``srun`` with torch DDP, alternated run by run so that drift hits both.
 - :func:`recovery`: the recovery-time split of one fault of each kind --
-  unplanned (a node powered off), pre-emptive (its simulated GPU's corrected
-  ECC count jumps; the in-job health agent warns, the supervisor drains it) and
-  planned (an admin drain) -- next to a fault-free run of the same training.
+  unplanned (a node powered off; again with the state on each transport),
+  pre-emptive (its simulated GPU's corrected ECC count jumps; the in-job health
+  agent warns, the supervisor drains it) and planned (an admin drain) -- next
+  to a fault-free run of the same training.
 - :func:`completion`: job completion time with F node failures: live
   migration, the in-allocation checkpoint restart, and classic
   ``sbatch --requeue`` with periodic checkpoints, next to a fault-free run.
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks import jobs
-from scripts.devcluster import COMPUTE
+from scripts.devcluster import COMPUTE, FLAVOR
 from torchpass_slurm.analysis.report_totals import job_json
 from torchpass_slurm.cli.report import load_report
 from torchpass_slurm.rundir import events as ev
@@ -45,6 +46,12 @@ HEALTHY_GPU = {
 #: dead peer's data is stuck in its collective until this timeout (gloo cannot abort it).
 SHORT_COLLECTIVE_TIMEOUT_S = 5.0
 UNPLANNED_SHORT = "unplanned, 5 s collective timeout"
+#: The unplanned fault again with the state carried by each transport of its own
+#: (TORCHPASS_TRANSPORT; "unplanned" itself is the default, the epoch's torch group).
+UNPLANNED_BY_TRANSPORT = {
+    "unplanned, socket transport": "socket",
+    "unplanned, MPI transport": "mpi",
+}
 #: The corrected-ECC count that makes the health agent warn (a rate far over its threshold).
 FAILING_ECC = 50_000
 
@@ -196,6 +203,7 @@ def recovery(size: Sizing) -> dict[str, Any]:
     for key, env in (
         ("unplanned", None),
         (UNPLANNED_SHORT, {"TORCHPASS_COLLECTIVE_TIMEOUT": str(SHORT_COLLECTIVE_TIMEOUT_S)}),
+        *((key, {"TORCHPASS_TRANSPORT": name}) for key, name in UNPLANNED_BY_TRANSPORT.items()),
     ):
         jobs.wait_idle()
         jobs.progress(f"recovery: {key} (a node powered off)")
@@ -312,22 +320,27 @@ def _requeue_result(job: jobs.Job, steps: int) -> dict[str, Any]:
 
 
 def transfer(size: Sizing) -> dict[str, Any]:
-    """transfer_bench.py between c4 and c5 (srun -N2): the stream against raw TCP, by size."""
+    """transfer_bench.py between c4 and c5 (srun -N2): every transport against raw TCP, by size."""
     jobs.wait_idle()
     sizes = ",".join(str(s) for s in size.transfer_sizes_mb)
     folder = jobs.new_folder("transfer")
     jobs.progress(f"transfer: c4 <-> c5, {sizes} MB, best of {size.transfer_repeat}")
+    # In-process MPI needs the ranks under Slurm's PMI and a process with no other MPI: the
+    # bookworm image's; trixie's torch links Open MPI, so there only the product's helper runs.
+    in_process = FLAVOR.name == "bookworm"
     printed = jobs.on(
         "ctl",
         "srun",
         "-N2",
         "-n2",
         "--nodelist=c4,c5",
+        *(["--mpi=pmi2"] if in_process else []),
         "python3",
         "/src/benchmarks/transfer_bench.py",
         "--sizes",
         sizes,
-        "--no-mpi",
+        "--mpi",
+        "all" if in_process else "helper",
         "--repeat",
         str(size.transfer_repeat),
         "--json",

@@ -65,13 +65,25 @@ BUF = 4 << 20
 SEAL = Seal(bytes(range(32)), "transfer benchmark")
 
 
+#: The values of --mpi.
+MPI_CHOICES = ("all", "helper", "none")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="10,100,500", help="sizes in MB, comma-separated (default 10,100,500)")
     p.add_argument("--large", action="store_true", help="also 2000 MB")
     p.add_argument("--repeat", type=int, default=2, help="runs per measurement; the best is kept")
     p.add_argument("--port", type=int, default=29631, help="rendezvous TCPStore port on rank 0's node")
-    p.add_argument("--no-mpi", action="store_true", help="skip MPI even when mpi4py imports")
+    p.add_argument(
+        "--mpi",
+        choices=MPI_CHOICES,
+        default="all",
+        help="which MPI rows: all (in-process when mpi4py imports, and the helper when MPICH's "
+        "hydra is found), helper (the product's path only: where torch links another MPI into the "
+        "process, as Debian's does), none",
+    )
+    p.add_argument("--no-mpi", dest="mpi", action="store_const", const="none", help="the same as --mpi none")
     p.add_argument("--json", help="write the results as JSON to this path")
     p.add_argument("--role", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -296,10 +308,10 @@ def run_rank(args: argparse.Namespace, rank: int, master: str) -> None:
     torch.set_num_threads(1)
     peer = Peer(rank, master, args.port)
     sizes = [int(s) for s in args.sizes.split(",")] + ([2000] if args.large else [])
-    use_mpi = not args.no_mpi and _mpi_importable()
+    use_mpi = args.mpi == "all" and _mpi_importable()
     peer.share("use-mpi", str(int(use_mpi))) if rank == 0 else None
     use_mpi = peer.share("use-mpi") == "1"
-    use_helper = not args.no_mpi and _hydra() is not None
+    use_helper = args.mpi != "none" and _hydra() is not None
     peer.share("use-helper", str(int(use_helper))) if rank == 0 else None
     use_helper = peer.share("use-helper") == "1"
     results: list[dict[str, Any]] = []
@@ -323,7 +335,7 @@ def run_rank(args: argparse.Namespace, rank: int, master: str) -> None:
     if helper is not None:
         helper.close()
     if rank == 0 and args.json:
-        doc = {"environment": environment(master), "results": results, "startup": startup}
+        doc = {"environment": environment(master, use_mpi), "results": results, "startup": startup}
         Path(args.json).write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.json}")
 
@@ -340,7 +352,7 @@ def _hydra() -> str | None:
     return find_hydra()
 
 
-def environment(master: str) -> dict[str, Any]:
+def environment(master: str, mpi_in_process: bool) -> dict[str, Any]:
     env: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "where": "host loopback" if master == "127.0.0.1" else f"two nodes (master {master})",
@@ -351,7 +363,7 @@ def environment(master: str) -> dict[str, Any]:
         "chunk_bytes": 4 << 20,
         "digest": "crc32",
     }
-    if _mpi_importable():
+    if mpi_in_process:  # else mpi4py is never imported here (the helper runs MPI)
         from mpi4py import MPI
 
         env["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
@@ -361,7 +373,7 @@ def environment(master: str) -> dict[str, Any]:
 def launch_local(args: argparse.Namespace, argv: list[str]) -> int:
     """Start both ranks on this machine (each under mpiexec -n 1 when MPI is usable)."""
     mpiexec = None
-    if not args.no_mpi and _mpi_importable():
+    if args.mpi == "all" and _mpi_importable():
         import shutil
 
         mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
