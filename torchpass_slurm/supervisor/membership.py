@@ -29,6 +29,7 @@ shard::
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +67,7 @@ class Membership:
         bad = [n for n in everyone if not isinstance(n, str) or not n]
         if bad:
             raise MembershipError(f"node names must be non-empty strings; got {bad!r}")
-        dupes = sorted({n for n in everyone if everyone.count(n) > 1})
+        dupes = sorted(n for n, times in Counter(everyone).items() if times > 1)  # one pass, not n^2
         if dupes:
             raise MembershipError(f"node(s) listed more than once: {', '.join(dupes)}")
 
