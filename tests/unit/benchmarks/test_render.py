@@ -163,7 +163,7 @@ def test_transfer_table_gives_each_method_by_size_and_the_ratio_to_raw_tcp() -> 
     rows = rows_of(render.transfer_table(RESULTS["transfer"]))
     assert rows[0] == ["MB/s", "10 MB", "2 GB"]
     assert rows[2] == ["raw TCP (baseline)", "1000", "1250"]
-    assert rows[3] == ["torch (gloo) + stream: live migration", "500", "1000"]
+    assert rows[3] == ["torch (gloo) + stream: live migration (auto)", "500", "1000"]
     assert rows[4] == ["torch + stream / raw TCP", "50%", "80%"]
     assert rows[5] == ["torch + stream: seconds", "0.020", "2.000"]
 
