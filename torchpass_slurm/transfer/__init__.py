@@ -3,10 +3,12 @@
 Two layers:
 
 - :mod:`.transport`: :class:`Transport`, a point-to-point byte pipe to one peer
-  where every call takes an explicit ``timedelta`` timeout, with three
+  where every call takes an explicit ``timedelta`` timeout, with these
   implementations: :class:`TorchTransport` (torch.distributed send/recv on a
   process group: gloo on CPU, NCCL on GPU), :class:`SocketTransport` (plain
-  TCP) and :class:`MPITransport` (mpi4py on an intercommunicator).
+  TCP), :class:`MPITransport` (mpi4py on an intercommunicator, in the calling
+  process) and ``mpi_process.MPIProcessTransport`` (the same MPI in a helper
+  process the rank can kill: what ``TORCHPASS_TRANSPORT=mpi`` uses).
 - :mod:`.stream`: :func:`send_state` / :func:`recv_state` move a nested
   ``state_dict`` (tensors, JSON scalars, dicts with str or int keys, lists,
   tuples) without pickle: a JSON manifest, then the tensors' bytes as checksummed

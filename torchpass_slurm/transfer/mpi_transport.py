@@ -11,6 +11,12 @@ and across two ``mpiexec -n 1`` launches, a singleton accepting from an
 remote groups ... must not contain the same processes"); Open MPI under Slurm's
 PMIx plugin cannot connect at all (MPI_ERR_INTERN).
 
+A live migration does not use this class: with ``TORCHPASS_TRANSPORT=mpi`` each
+end's MPI runs in a helper process (:mod:`.mpi_process`), because a rank's torch
+may link another MPI (Debian's links Open MPI) and an MPI call here cannot be
+interrupted. This in-process transport serves the contract tests and the
+transfer benchmark's in-rank rows.
+
 Timeouts: MPI has none, so every operation is a non-blocking ``Isend``/``Irecv``
 polled with ``Test`` until its deadline (polling also drives MPICH's progress
 engine). On timeout the request stays posted and the transport is broken.
